@@ -1,0 +1,147 @@
+//! What every op shares between validation and the driver: the launch description, how a row is
+//! tiled over a block, how rows form dγ groups, and the executors (GPU or CPU emulator).
+
+use normkern_gpu::reduce::{self, ColumnSumParams};
+use normkern_gpu::rms_norm;
+use normkern_gpu::variant::{Dtype, EntryName, STREAM, Variant};
+
+use crate::error::{Error, Result};
+
+/// One kernel launch, with its parameters: the single description both executors consume.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Kernel {
+    RmsNormForward(Variant, rms_norm::ForwardParams),
+    RmsNormBackward(Variant, rms_norm::BackwardParams),
+    ColumnSum(Dtype, ColumnSumParams),
+}
+
+impl Kernel {
+    pub(crate) fn entry_name(&self) -> EntryName {
+        match self {
+            Kernel::RmsNormForward(v, _) => v.entry_name("rms_norm_fwd"),
+            Kernel::RmsNormBackward(v, _) => v.entry_name("rms_norm_bwd"),
+            Kernel::ColumnSum(dt, _) => EntryName::new("column_sum", *dt),
+        }
+    }
+}
+
+/// Grid, block and dynamic shared memory of one launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Shape {
+    pub grid: usize,
+    pub block: usize,
+    pub shared_bytes: usize,
+}
+
+/// Runs [`Kernel`]s: the GPU ([`crate::Context`] on a stream) or the CPU emulator.
+pub(crate) trait Executor {
+    /// The most threads one block of this kernel may have (the GPU's limit depends on registers).
+    fn max_threads(&self, kernel: &Kernel) -> Result<usize>;
+    /// Blocks of this kernel that run at once on the whole device: the persistent grid's size.
+    fn resident_blocks(&self, kernel: &Kernel, block: usize, shared_bytes: usize) -> Result<usize>;
+    /// An upper bound on the grid set by the user (tests use it to prove grid invariance).
+    fn grid_limit(&self) -> Option<usize>;
+    /// Enqueues (GPU) or runs (emulator) one launch.
+    fn launch(&self, kernel: &Kernel, shape: Shape) -> Result<()>;
+
+    /// A persistent grid for `work` items (rows or groups), never more blocks than items.
+    fn persistent_grid(
+        &self,
+        kernel: &Kernel,
+        work: usize,
+        block: usize,
+        shared_bytes: usize,
+    ) -> Result<usize> {
+        let resident = self.resident_blocks(kernel, block, shared_bytes)?.max(1);
+        let grid = work
+            .min(resident)
+            .min(self.grid_limit().unwrap_or(usize::MAX));
+        Ok(grid.max(1))
+    }
+}
+
+/// Shared memory every row kernel gets: the words of a block reduction.
+pub(crate) const ROW_KERNEL_SHARED_BYTES: usize = reduce::BLOCK_SUM_SHARED_WORDS * 4;
+
+/// Threads a block prefers when the row fits in registers: enough warps per block to keep several
+/// blocks resident per SM and the per-row reduction short.
+const PREFERRED_THREADS: usize = 256;
+
+/// How one row is spread over a block: `vpt` accesses per thread (or [`STREAM`]) and the block size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RowTile {
+    pub vpt: usize,
+    pub threads: usize,
+}
+
+/// Picks the tile for a row of `d` elements read `len` at a time. The choice depends on the shape
+/// and on the kernel's register limit only, never on the grid, so reductions keep their order.
+pub(crate) fn row_tile(
+    d: usize,
+    len: usize,
+    max_threads: impl Fn(usize) -> Result<usize>,
+) -> Result<RowTile> {
+    let accesses = d.div_ceil(len);
+    let threads_for = |vpt: usize| accesses.div_ceil(vpt).next_multiple_of(32);
+    for vpt in [1, 2, 4] {
+        if threads_for(vpt) <= PREFERRED_THREADS {
+            return Ok(RowTile {
+                vpt,
+                threads: threads_for(vpt),
+            });
+        }
+    }
+    for vpt in [2, 4] {
+        if threads_for(vpt) <= max_threads(vpt)?.min(1024) {
+            return Ok(RowTile {
+                vpt,
+                threads: threads_for(vpt),
+            });
+        }
+    }
+    let threads = accesses
+        .next_multiple_of(32)
+        .min(max_threads(STREAM)?.min(1024) / 32 * 32);
+    Ok(RowTile {
+        vpt: STREAM,
+        threads,
+    })
+}
+
+/// Whether 16-byte packs of `16 / elem_bytes` elements can serve every operand: each base address
+/// 16-byte aligned, every stride and `d` a multiple of the pack.
+pub(crate) fn packs_fit(elem_bytes: usize, d: usize, addrs: &[u64], strides: &[usize]) -> bool {
+    let len = 16 / elem_bytes;
+    d % len == 0 && addrs.iter().all(|a| a % 16 == 0) && strides.iter().all(|s| s % len == 0)
+}
+
+/// Rows of one dγ group: at most this many groups, and at least this many rows in each, so the
+/// fp32 workspace (written and read once) stays a few percent of the backward's traffic.
+const MAX_GROUPS: usize = 512;
+const MIN_ROWS_PER_GROUP: usize = 16;
+
+/// `(rows_per_group, groups)` for `rows` rows: a function of the row count alone, which is what
+/// makes the dγ/dβ sums the same bits on every grid and every GPU.
+pub fn group_layout(rows: usize) -> (usize, usize) {
+    let per_group = rows.div_ceil(MAX_GROUPS).max(MIN_ROWS_PER_GROUP);
+    (per_group, rows.div_ceil(per_group))
+}
+
+/// Block size and grid of the fixed-order column sum over `d` columns.
+pub(crate) fn column_sum_shape(exec: &dyn Executor, kernel: &Kernel, d: usize) -> Result<Shape> {
+    let block = reduce::COLUMN_SUM_THREADS;
+    let shared_bytes = reduce::COLUMN_SUM_THREADS * 4;
+    let grid = exec.persistent_grid(kernel, d.div_ceil(32), block, shared_bytes)?;
+    Ok(Shape {
+        grid,
+        block,
+        shared_bytes,
+    })
+}
+
+pub(crate) fn check_eps(eps: f32) -> Result<()> {
+    if !(eps.is_finite() && eps > 0.0) {
+        return Err(Error::Eps(eps));
+    }
+    Ok(())
+}

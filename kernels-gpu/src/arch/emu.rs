@@ -1,0 +1,316 @@
+//! The CPU twin of the nvptx `arch` module: the emulator that runs kernel bodies on the host.
+//!
+//! [`launch`] runs a grid block by block; the threads of a block are OS threads that share a real
+//! barrier, per-warp exchange slots for the shuffles, and the block's launch-sized shared memory.
+//! Misuse is reported, not hung: a barrier or shuffle that not every thread reaches times out and
+//! the launch returns an [`EmuError`] naming the kernel; shared-memory accesses are bounds-checked;
+//! a panic in any thread (an out-of-bounds index, say) ends the launch with its message.
+//!
+//! Where the emulator's arithmetic differs from the GPU's: `rsqrt` is `1/sqrt` rounded twice in
+//! f32 (the GPU's `rsqrt.approx.f32` is within a few ulp of that); conversions to f16/bf16 round
+//! to nearest even exactly as `cvt.rn` does. Everything else is the same IEEE f32 arithmetic, but
+//! LLVM may contract `a*b+c` into an FMA on the GPU and not on the host, so results agree to
+//! rounding, not bitwise.
+
+extern crate std;
+
+use std::cell::RefCell;
+use std::string::{String, ToString};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+use std::vec::Vec;
+
+use super::WARP;
+
+/// How long a thread waits at a barrier or shuffle before the launch is declared stuck.
+const STUCK_AFTER: Duration = Duration::from_secs(5);
+
+/// Why an emulated launch failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EmuError {
+    pub kernel: String,
+    pub message: String,
+}
+
+impl core::fmt::Display for EmuError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "emulated kernel `{}`: {}", self.kernel, self.message)
+    }
+}
+
+impl std::error::Error for EmuError {}
+
+/// A reusable barrier for `n` threads that gives up after [`STUCK_AFTER`] or when the block is
+/// poisoned by a panicking thread.
+struct Barrier {
+    n: usize,
+    state: Mutex<(usize, u64)>,
+    cv: Condvar,
+}
+
+impl Barrier {
+    fn new(n: usize) -> Self {
+        Barrier {
+            n,
+            state: Mutex::new((0, 0)),
+            cv: Condvar::new(),
+        }
+    }
+
+    fn wait(&self, block: &Block, what: &str) {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let generation = st.1;
+        st.0 += 1;
+        if st.0 == self.n {
+            st.0 = 0;
+            st.1 += 1;
+            self.cv.notify_all();
+            return;
+        }
+        let deadline = std::time::Instant::now() + STUCK_AFTER;
+        while st.1 == generation {
+            if block.poisoned.load(Ordering::SeqCst) {
+                panic!("another thread of the block failed");
+            }
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                block.poisoned.store(true, Ordering::SeqCst);
+                self.cv.notify_all();
+                panic!(
+                    "{what} not reached by all {} threads of block {} within {:?} \
+                     (a barrier or shuffle inside divergent control flow?)",
+                    self.n, block.idx, STUCK_AFTER
+                );
+            }
+            let step = (deadline - now).min(Duration::from_millis(50));
+            st = self
+                .cv
+                .wait_timeout(st, step)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+/// What the threads of one emulated block share.
+struct Block {
+    idx: usize,
+    dim: usize,
+    grid: usize,
+    barrier: Barrier,
+    warp_barriers: Vec<Barrier>,
+    warp_slots: Vec<AtomicU32>,
+    shared: Vec<AtomicU32>,
+    poisoned: AtomicBool,
+}
+
+struct ThreadCtx {
+    tid: usize,
+    block: Arc<Block>,
+}
+
+std::thread_local! {
+    static CTX: RefCell<Option<ThreadCtx>> = const { RefCell::new(None) };
+}
+
+fn with_ctx<R>(f: impl FnOnce(&ThreadCtx) -> R) -> R {
+    CTX.with(|c| {
+        let c = c.borrow();
+        let ctx = c
+            .as_ref()
+            .expect("arch function called outside an emulated launch");
+        f(ctx)
+    })
+}
+
+pub fn thread_idx() -> usize {
+    with_ctx(|c| c.tid)
+}
+pub fn block_idx() -> usize {
+    with_ctx(|c| c.block.idx)
+}
+pub fn block_dim() -> usize {
+    with_ctx(|c| c.block.dim)
+}
+pub fn grid_dim() -> usize {
+    with_ctx(|c| c.grid())
+}
+
+impl ThreadCtx {
+    fn grid(&self) -> usize {
+        self.block.grid
+    }
+}
+
+pub fn sync_threads() {
+    let block = with_ctx(|c| c.block.clone());
+    block.barrier.wait(&block, "block barrier");
+}
+
+/// Every lane of the warp publishes its value, waits for the whole warp, reads its partner's, and
+/// waits again so no slot is overwritten before it was read. A missing lane is a timeout.
+pub fn shfl_xor(v: f32, lane_mask: u32) -> f32 {
+    let (block, tid) = with_ctx(|c| (c.block.clone(), c.tid));
+    let warp = tid / WARP;
+    let lane = tid % WARP;
+    let partner = lane ^ (lane_mask as usize & (WARP - 1));
+    block.warp_slots[tid].store(v.to_bits(), Ordering::SeqCst);
+    block.warp_barriers[warp].wait(&block, "warp shuffle");
+    let out = block.warp_slots[warp * WARP + partner].load(Ordering::SeqCst);
+    block.warp_barriers[warp].wait(&block, "warp shuffle");
+    f32::from_bits(out)
+}
+
+/// The block's launch-sized dynamic shared memory, seen as f32 words; bounds-checked here.
+#[derive(Clone, Copy)]
+pub struct SharedF32;
+
+pub fn shared_f32() -> SharedF32 {
+    SharedF32
+}
+
+impl SharedF32 {
+    /// # Safety
+    /// Safe in the emulator (bounds-checked); unsafe for symmetry with the GPU.
+    pub unsafe fn load(self, i: usize) -> f32 {
+        with_ctx(|c| match c.block.shared.get(i) {
+            Some(w) => f32::from_bits(w.load(Ordering::SeqCst)),
+            None => panic!(
+                "shared-memory load of word {i} beyond the launch's {} words",
+                c.block.shared.len()
+            ),
+        })
+    }
+    /// # Safety
+    /// Safe in the emulator (bounds-checked); unsafe for symmetry with the GPU.
+    pub unsafe fn store(self, i: usize, v: f32) {
+        with_ctx(|c| match c.block.shared.get(i) {
+            Some(w) => w.store(v.to_bits(), Ordering::SeqCst),
+            None => panic!(
+                "shared-memory store to word {i} beyond the launch's {} words",
+                c.block.shared.len()
+            ),
+        })
+    }
+}
+
+/// # Safety
+/// As on the GPU: `p` is 16-byte aligned with 16 readable bytes.
+pub unsafe fn load16(p: *const u8) -> [u32; 4] {
+    assert!(
+        p as usize % 16 == 0,
+        "16-byte load from misaligned address {p:p}"
+    );
+    unsafe { (p as *const [u32; 4]).read() }
+}
+
+/// # Safety
+/// As on the GPU: `p` is 16-byte aligned with 16 writable bytes.
+pub unsafe fn store16(p: *mut u8, v: [u32; 4]) {
+    assert!(
+        p as usize % 16 == 0,
+        "16-byte store to misaligned address {p:p}"
+    );
+    unsafe { (p as *mut [u32; 4]).write(v) }
+}
+
+pub fn bf16_to_f32(h: u16) -> f32 {
+    half::bf16::from_bits(h).to_f32()
+}
+pub fn f32_to_bf16(v: f32) -> u16 {
+    half::bf16::from_f32(v).to_bits()
+}
+pub fn f16_to_f32(h: u16) -> f32 {
+    half::f16::from_bits(h).to_f32()
+}
+pub fn f32_to_f16(v: f32) -> u16 {
+    half::f16::from_f32(v).to_bits()
+}
+pub fn rsqrt(v: f32) -> f32 {
+    1.0 / v.sqrt()
+}
+
+/// Marks the block poisoned if its thread unwinds, so the others stop waiting at once.
+struct PoisonOnPanic(Arc<Block>);
+
+impl Drop for PoisonOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.poisoned.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Runs `body` as kernel `kernel` over `grid` blocks of `block` threads with `shared_bytes` of
+/// dynamic shared memory. Blocks run one after another; the threads of a block run concurrently.
+pub fn launch(
+    kernel: &str,
+    grid: usize,
+    block: usize,
+    shared_bytes: usize,
+    body: &(dyn Fn() + Sync),
+) -> Result<(), EmuError> {
+    let fail = |message: String| EmuError {
+        kernel: kernel.to_string(),
+        message,
+    };
+    if grid == 0 || block == 0 || block > 1024 {
+        return Err(fail(std::format!(
+            "invalid launch shape: grid {grid}, block {block}"
+        )));
+    }
+    for idx in 0..grid {
+        let warps = block.div_ceil(WARP);
+        let shared = Arc::new(Block {
+            idx,
+            dim: block,
+            grid,
+            barrier: Barrier::new(block),
+            // A partial last warp still expects 32 lanes: a full-mask shuffle there is misuse.
+            warp_barriers: (0..warps).map(|_| Barrier::new(WARP)).collect(),
+            warp_slots: (0..warps * WARP).map(|_| AtomicU32::new(0)).collect(),
+            shared: (0..shared_bytes.div_ceil(4))
+                .map(|_| AtomicU32::new(0x7fc0_dead))
+                .collect(),
+            poisoned: AtomicBool::new(false),
+        });
+        let mut first_panic: Option<String> = None;
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..block)
+                .map(|tid| {
+                    let shared = shared.clone();
+                    std::thread::Builder::new()
+                        .stack_size(256 * 1024)
+                        .spawn_scoped(s, move || {
+                            let _guard = PoisonOnPanic(shared.clone());
+                            CTX.with(|c| *c.borrow_mut() = Some(ThreadCtx { tid, block: shared }));
+                            body();
+                            CTX.with(|c| *c.borrow_mut() = None);
+                        })
+                        .expect("spawning an emulator thread")
+                })
+                .collect();
+            for h in handles {
+                if let Err(payload) = h.join() {
+                    let msg = payload
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_else(|| "a thread panicked".to_string());
+                    // Keep the root cause, not the "another thread failed" echoes.
+                    if first_panic
+                        .as_ref()
+                        .is_none_or(|m| m.starts_with("another thread"))
+                    {
+                        first_panic = Some(msg);
+                    }
+                }
+            }
+        });
+        if let Some(msg) = first_panic {
+            return Err(fail(std::format!("block {idx}: {msg}")));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,22 @@
+//! Every GPU intrinsic and every line of inline assembly in normkern lives here.
+//!
+//! Kernel bodies call only these functions, never `core::arch::nvptx` or `asm!` directly. On
+//! `nvptx64` they are single PTX instructions; on any other target the [`emu`] twin implements
+//! them for the CPU emulator (threads of a block are OS threads, barriers are real barriers, shuffles
+//! are warp-wide exchanges), so the very same kernel bodies run in `cargo test` without a GPU.
+
+#[cfg(target_arch = "nvptx64")]
+mod nvptx;
+#[cfg(target_arch = "nvptx64")]
+pub use nvptx::*;
+
+#[cfg(not(target_arch = "nvptx64"))]
+pub mod emu;
+#[cfg(not(target_arch = "nvptx64"))]
+pub use emu::{
+    SharedF32, bf16_to_f32, block_dim, block_idx, f16_to_f32, f32_to_bf16, f32_to_f16, grid_dim,
+    load16, rsqrt, shared_f32, shfl_xor, store16, sync_threads, thread_idx,
+};
+
+/// Lanes in a warp; every block size normkern launches is a multiple of it.
+pub const WARP: usize = 32;

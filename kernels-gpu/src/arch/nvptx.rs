@@ -1,0 +1,162 @@
+//! The nvptx64 implementation of [`crate::arch`]: one PTX instruction per function.
+
+use core::arch::asm;
+use core::arch::nvptx;
+
+#[panic_handler]
+fn panic(_: &core::panic::PanicInfo) -> ! {
+    // A `loop {}` handler would hang the GPU; trap ends the kernel with an error the host sees.
+    unsafe { nvptx::trap() }
+}
+
+#[inline(always)]
+pub fn thread_idx() -> usize {
+    unsafe { nvptx::_thread_idx_x() as usize }
+}
+#[inline(always)]
+pub fn block_idx() -> usize {
+    unsafe { nvptx::_block_idx_x() as usize }
+}
+#[inline(always)]
+pub fn block_dim() -> usize {
+    unsafe { nvptx::_block_dim_x() as usize }
+}
+#[inline(always)]
+pub fn grid_dim() -> usize {
+    unsafe { nvptx::_grid_dim_x() as usize }
+}
+
+/// `bar.sync 0`: every thread of the block must reach it.
+#[inline(always)]
+pub fn sync_threads() {
+    unsafe { nvptx::_syncthreads() }
+}
+
+/// Butterfly shuffle over the full warp: returns `v` of lane `lane ^ lane_mask`.
+#[inline(always)]
+pub fn shfl_xor(v: f32, lane_mask: u32) -> f32 {
+    let out: u32;
+    unsafe {
+        asm!(
+            "shfl.sync.bfly.b32 {out}, {v}, {m}, 0x1f, 0xffffffff;",
+            out = out(reg32) out,
+            v = in(reg32) v.to_bits(),
+            m = in(reg32) lane_mask,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+    }
+    f32::from_bits(out)
+}
+
+/// The launch-sized dynamic shared memory of the block, seen as f32 words.
+#[derive(Clone, Copy)]
+pub struct SharedF32(*mut f32);
+
+#[inline(always)]
+pub fn shared_f32() -> SharedF32 {
+    SharedF32(core::intrinsics::gpu::gpu_launch_sized_workgroup_mem::<f32>())
+}
+
+impl SharedF32 {
+    /// # Safety
+    /// `i` lies inside the launch's dynamic shared memory.
+    #[inline(always)]
+    pub unsafe fn load(self, i: usize) -> f32 {
+        unsafe { self.0.add(i).read_volatile() }
+    }
+    /// # Safety
+    /// `i` lies inside the launch's dynamic shared memory.
+    #[inline(always)]
+    pub unsafe fn store(self, i: usize, v: f32) {
+        unsafe { self.0.add(i).write_volatile(v) }
+    }
+}
+
+/// One 16-byte global load (`ld.global.v4.b32`).
+///
+/// # Safety
+/// `p` is a 16-byte-aligned global address with 16 readable bytes.
+#[inline(always)]
+pub unsafe fn load16(p: *const u8) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    unsafe {
+        asm!(
+            "ld.global.v4.b32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+            p = in(reg64) p,
+            a = out(reg32) a,
+            b = out(reg32) b,
+            c = out(reg32) c,
+            d = out(reg32) d,
+            options(readonly, nostack, preserves_flags)
+        );
+    }
+    [a, b, c, d]
+}
+
+/// One 16-byte global store (`st.global.v4.b32`).
+///
+/// # Safety
+/// `p` is a 16-byte-aligned global address with 16 writable bytes.
+#[inline(always)]
+pub unsafe fn store16(p: *mut u8, v: [u32; 4]) {
+    unsafe {
+        asm!(
+            "st.global.v4.b32 [{p}], {{{a}, {b}, {c}, {d}}};",
+            p = in(reg64) p,
+            a = in(reg32) v[0],
+            b = in(reg32) v[1],
+            c = in(reg32) v[2],
+            d = in(reg32) v[3],
+            options(nostack, preserves_flags)
+        );
+    }
+}
+
+#[inline(always)]
+pub fn bf16_to_f32(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
+}
+
+/// Round to nearest even (`cvt.rn.bf16.f32`, sm_80+).
+#[inline(always)]
+pub fn f32_to_bf16(v: f32) -> u16 {
+    let h: u16;
+    unsafe {
+        asm!("cvt.rn.bf16.f32 {h}, {v};", h = out(reg16) h, v = in(reg32) v.to_bits(),
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    h
+}
+
+#[inline(always)]
+pub fn f16_to_f32(h: u16) -> f32 {
+    let v: u32;
+    unsafe {
+        asm!("cvt.f32.f16 {v}, {h};", v = out(reg32) v, h = in(reg16) h,
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    f32::from_bits(v)
+}
+
+/// Round to nearest even (`cvt.rn.f16.f32`).
+#[inline(always)]
+pub fn f32_to_f16(v: f32) -> u16 {
+    let h: u16;
+    unsafe {
+        asm!("cvt.rn.f16.f32 {h}, {v};", h = out(reg16) h, v = in(reg32) v.to_bits(),
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    h
+}
+
+/// `rsqrt.approx.f32`: an approximation good to a few ulp of f32, far inside every tolerance the
+/// tests allow against the f64 reference.
+#[inline(always)]
+pub fn rsqrt(v: f32) -> f32 {
+    let r: u32;
+    unsafe {
+        asm!("rsqrt.approx.f32 {r}, {v};", r = out(reg32) r, v = in(reg32) v.to_bits(),
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    f32::from_bits(r)
+}

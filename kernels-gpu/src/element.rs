@@ -1,0 +1,183 @@
+//! Storage dtypes and how rows are read and written: 16-byte packs or single elements.
+//!
+//! Kernels keep raw packs (`[u32; 4]`, the bits as stored) in registers and convert one element at
+//! a time when they need it: a bf16 row costs half the registers of its f32 image, which is what
+//! lets the backward keep x, dy and γ of a whole row on chip.
+
+use crate::arch;
+
+/// Bits of one 16-byte pack as loaded; a scalar access uses word 0 only.
+pub type Pack = [u32; 4];
+
+/// A storage dtype. All arithmetic happens in f32; only loads and stores see the storage type.
+pub trait Element: Copy + 'static {
+    /// Bytes per element.
+    const BYTES: usize;
+    /// Element `i` of a pack (`i < 16 / BYTES`; a scalar load puts its element at `i == 0`).
+    fn get(pack: &Pack, i: usize) -> f32;
+    /// Rounds `v` to this dtype and writes it as element `i` of `pack` (other elements kept).
+    fn set(pack: &mut Pack, i: usize, v: f32);
+    /// Loads the single element at `p` into word 0 of a pack.
+    ///
+    /// # Safety
+    /// `p` is readable and aligned for the dtype.
+    unsafe fn load_one(p: *const u8) -> Pack;
+    /// Stores element 0 of `pack` at `p`.
+    ///
+    /// # Safety
+    /// `p` is writable and aligned for the dtype.
+    unsafe fn store_one(p: *mut u8, pack: &Pack);
+}
+
+/// IEEE binary32.
+#[derive(Clone, Copy)]
+pub struct F32;
+/// IEEE binary16.
+#[derive(Clone, Copy)]
+pub struct F16;
+/// bfloat16.
+#[derive(Clone, Copy)]
+pub struct Bf16;
+
+impl Element for F32 {
+    const BYTES: usize = 4;
+    #[inline(always)]
+    fn get(pack: &Pack, i: usize) -> f32 {
+        f32::from_bits(pack[i])
+    }
+    #[inline(always)]
+    fn set(pack: &mut Pack, i: usize, v: f32) {
+        pack[i] = v.to_bits();
+    }
+    #[inline(always)]
+    unsafe fn load_one(p: *const u8) -> Pack {
+        [unsafe { (p as *const u32).read() }, 0, 0, 0]
+    }
+    #[inline(always)]
+    unsafe fn store_one(p: *mut u8, pack: &Pack) {
+        unsafe { (p as *mut u32).write(pack[0]) }
+    }
+}
+
+#[inline(always)]
+fn half_bits(pack: &Pack, i: usize) -> u16 {
+    (pack[i / 2] >> (16 * (i % 2))) as u16
+}
+
+#[inline(always)]
+fn set_half_bits(pack: &mut Pack, i: usize, h: u16) {
+    let shift = 16 * (i % 2);
+    pack[i / 2] = (pack[i / 2] & !(0xffff << shift)) | ((h as u32) << shift);
+}
+
+macro_rules! half_element {
+    ($ty:ident, $to_f32:path, $from_f32:path) => {
+        impl Element for $ty {
+            const BYTES: usize = 2;
+            #[inline(always)]
+            fn get(pack: &Pack, i: usize) -> f32 {
+                $to_f32(half_bits(pack, i))
+            }
+            #[inline(always)]
+            fn set(pack: &mut Pack, i: usize, v: f32) {
+                set_half_bits(pack, i, $from_f32(v));
+            }
+            #[inline(always)]
+            unsafe fn load_one(p: *const u8) -> Pack {
+                [unsafe { (p as *const u16).read() } as u32, 0, 0, 0]
+            }
+            #[inline(always)]
+            unsafe fn store_one(p: *mut u8, pack: &Pack) {
+                unsafe { (p as *mut u16).write(pack[0] as u16) }
+            }
+        }
+    };
+}
+half_element!(F16, arch::f16_to_f32, arch::f32_to_f16);
+half_element!(Bf16, arch::bf16_to_f32, arch::f32_to_bf16);
+
+/// How a kernel walks a row: `VEC` packs of 16 bytes (the fast path: all pointers 16-byte
+/// aligned, strides and `d` multiples of the pack) or single elements (any layout).
+#[derive(Clone, Copy)]
+pub struct Access<T: Element, const VEC: bool>(core::marker::PhantomData<T>);
+
+impl<T: Element, const VEC: bool> Access<T, VEC> {
+    /// Elements per access.
+    pub const LEN: usize = if VEC { 16 / T::BYTES } else { 1 };
+
+    /// Loads the access that starts at element `elem` of the row at `row`.
+    ///
+    /// # Safety
+    /// The access lies inside the row, aligned as `VEC` requires.
+    #[inline(always)]
+    pub unsafe fn load(row: u64, elem: usize) -> Pack {
+        let p = (row as usize + elem * T::BYTES) as *const u8;
+        if VEC {
+            unsafe { arch::load16(p) }
+        } else {
+            unsafe { T::load_one(p) }
+        }
+    }
+
+    /// Stores one access at element `elem` of the row at `row`.
+    ///
+    /// # Safety
+    /// As for [`Self::load`], writable.
+    #[inline(always)]
+    pub unsafe fn store(row: u64, elem: usize, pack: &Pack) {
+        let p = (row as usize + elem * T::BYTES) as *mut u8;
+        if VEC {
+            unsafe { arch::store16(p, *pack) }
+        } else {
+            unsafe { T::store_one(p, pack) }
+        }
+    }
+}
+
+/// f32 accumulators written to the fp32 workspace `LEN` at a time (16-byte stores when `LEN == 4`,
+/// two of them when a pack of halves holds 8).
+///
+/// # Safety
+/// `ws_row + elem` .. `+ len` is writable f32 memory, 16-byte aligned when `VEC`.
+#[inline(always)]
+pub unsafe fn store_f32s<const VEC: bool>(ws_row: u64, elem: usize, vals: &[f32; 8], len: usize) {
+    let base = ws_row as usize + elem * 4;
+    if VEC {
+        let mut c = 0;
+        while c < len {
+            let pack = [
+                vals[c].to_bits(),
+                vals[c + 1].to_bits(),
+                vals[c + 2].to_bits(),
+                vals[c + 3].to_bits(),
+            ];
+            unsafe { arch::store16((base + c * 4) as *mut u8, pack) };
+            c += 4;
+        }
+    } else {
+        unsafe { (base as *mut f32).write(vals[0]) };
+    }
+}
+
+/// Reads what [`store_f32s`] wrote.
+///
+/// # Safety
+/// As for [`store_f32s`], readable.
+#[inline(always)]
+pub unsafe fn load_f32s<const VEC: bool>(ws_row: u64, elem: usize, len: usize) -> [f32; 8] {
+    let base = ws_row as usize + elem * 4;
+    let mut vals = [0.0f32; 8];
+    if VEC {
+        let mut c = 0;
+        while c < len {
+            let pack = unsafe { arch::load16((base + c * 4) as *const u8) };
+            for (j, w) in pack.iter().enumerate() {
+                vals[c + j] = f32::from_bits(*w);
+            }
+            c += 4;
+        }
+    } else {
+        vals[0] = unsafe { (base as *const f32).read() };
+    }
+    vals
+}

@@ -1,0 +1,160 @@
+//! Which compiled instance of a kernel family to launch, and its PTX entry name.
+//!
+//! Every family is instantiated for each storage dtype × access (16-byte packs or scalars) × tile
+//! (`vpt` accesses per thread kept in registers: 1, 2 or 4; or 0 = stream the row from memory
+//! more than once, for rows too wide for registers). The host picks a [`Variant`]; on the GPU it
+//! names a PTX entry (`rms_norm_fwd_bf16_v4`), in the emulator it selects the same generic body.
+
+/// Storage dtype of a kernel's row operands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl Dtype {
+    pub const fn name(self) -> &'static str {
+        match self {
+            Dtype::F32 => "f32",
+            Dtype::F16 => "f16",
+            Dtype::Bf16 => "bf16",
+        }
+    }
+    pub const fn bytes(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::F16 | Dtype::Bf16 => 2,
+        }
+    }
+}
+
+/// Accesses per thread held in registers; `STREAM` re-reads the row instead.
+pub const TILES: [usize; 4] = [1, 2, 4, STREAM];
+/// The tile value of the streaming instances.
+pub const STREAM: usize = 0;
+
+/// One compiled instance of a kernel family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Variant {
+    pub dtype: Dtype,
+    /// 16-byte packs (true) or single elements (false).
+    pub vec: bool,
+    /// Accesses per thread in registers (1, 2, 4), or [`STREAM`].
+    pub vpt: usize,
+}
+
+/// A PTX entry name, formatted without allocating.
+#[derive(Clone, Copy)]
+pub struct EntryName {
+    buf: [u8; 48],
+    len: usize,
+}
+
+impl EntryName {
+    pub fn as_str(&self) -> &str {
+        // Only ASCII pieces are ever pushed.
+        core::str::from_utf8(&self.buf[..self.len]).unwrap_or("")
+    }
+    /// `<family>_<dtype>`: the whole name of a family compiled once per dtype.
+    pub fn new(family: &str, dtype: Dtype) -> Self {
+        let mut n = EntryName {
+            buf: [0; 48],
+            len: 0,
+        };
+        n.push(family);
+        n.push("_");
+        n.push(dtype.name());
+        n
+    }
+    fn push(&mut self, s: &str) {
+        let n = s.len().min(self.buf.len() - self.len);
+        self.buf[self.len..self.len + n].copy_from_slice(&s.as_bytes()[..n]);
+        self.len += n;
+    }
+}
+
+impl Variant {
+    /// `<family>_<dtype>_<v|s><1|2|4|x>`, the scheme [`export_family!`] uses.
+    pub fn entry_name(&self, family: &str) -> EntryName {
+        let mut n = EntryName::new(family, self.dtype);
+        n.push(if self.vec { "_v" } else { "_s" });
+        n.push(match self.vpt {
+            1 => "1",
+            2 => "2",
+            4 => "4",
+            _ => "x",
+        });
+        n
+    }
+}
+
+/// Exports every instance of a kernel family as a PTX entry (nvptx only). `$body` is generic over
+/// `<T: Element, const VEC: bool, const VPT: usize>` and takes `&$params`.
+macro_rules! export_family {
+    ($family:literal, $params:ty, $body:ident) => {
+        $crate::variant::export_family!(@dt $family, $params, $body, "f32", F32);
+        $crate::variant::export_family!(@dt $family, $params, $body, "f16", F16);
+        $crate::variant::export_family!(@dt $family, $params, $body, "bf16", Bf16);
+    };
+    (@dt $family:literal, $params:ty, $body:ident, $dn:literal, $t:ident) => {
+        $crate::variant::export_family!(@tile $family, $params, $body, $dn, $t, "v", true);
+        $crate::variant::export_family!(@tile $family, $params, $body, $dn, $t, "s", false);
+    };
+    (@tile $family:literal, $params:ty, $body:ident, $dn:literal, $t:ident, $pn:literal, $vec:literal) => {
+        $crate::variant::export_family!(@one concat!($family, "_", $dn, "_", $pn, "1"), $params, $body, $t, $vec, 1);
+        $crate::variant::export_family!(@one concat!($family, "_", $dn, "_", $pn, "2"), $params, $body, $t, $vec, 2);
+        $crate::variant::export_family!(@one concat!($family, "_", $dn, "_", $pn, "4"), $params, $body, $t, $vec, 4);
+        $crate::variant::export_family!(@one concat!($family, "_", $dn, "_", $pn, "x"), $params, $body, $t, $vec, 0);
+    };
+    (@one $name:expr, $params:ty, $body:ident, $t:ident, $vec:literal, $vpt:literal) => {
+        #[cfg(target_arch = "nvptx64")]
+        const _: () = {
+            #[unsafe(export_name = $name)]
+            unsafe extern "ptx-kernel" fn entry(p: $params) {
+                unsafe { $body::<$crate::element::$t, $vec, $vpt>(&p) }
+            }
+        };
+    };
+}
+pub(crate) use export_family;
+
+/// The host-side twin of [`export_family!`]: the generic body instance a [`Variant`] names, for the
+/// emulator. Expands to a `match` over every instance.
+#[cfg(not(target_arch = "nvptx64"))]
+macro_rules! select_family {
+    ($variant:expr, $params:ty, $body:ident) => {{
+        use $crate::element::{Bf16, F16, F32};
+        use $crate::variant::Dtype;
+        let v: $crate::variant::Variant = $variant;
+        let f: unsafe fn(&$params) = match (v.dtype, v.vec, v.vpt) {
+            (Dtype::F32, true, 1) => $body::<F32, true, 1>,
+            (Dtype::F32, true, 2) => $body::<F32, true, 2>,
+            (Dtype::F32, true, 4) => $body::<F32, true, 4>,
+            (Dtype::F32, true, _) => $body::<F32, true, 0>,
+            (Dtype::F32, false, 1) => $body::<F32, false, 1>,
+            (Dtype::F32, false, 2) => $body::<F32, false, 2>,
+            (Dtype::F32, false, 4) => $body::<F32, false, 4>,
+            (Dtype::F32, false, _) => $body::<F32, false, 0>,
+            (Dtype::F16, true, 1) => $body::<F16, true, 1>,
+            (Dtype::F16, true, 2) => $body::<F16, true, 2>,
+            (Dtype::F16, true, 4) => $body::<F16, true, 4>,
+            (Dtype::F16, true, _) => $body::<F16, true, 0>,
+            (Dtype::F16, false, 1) => $body::<F16, false, 1>,
+            (Dtype::F16, false, 2) => $body::<F16, false, 2>,
+            (Dtype::F16, false, 4) => $body::<F16, false, 4>,
+            (Dtype::F16, false, _) => $body::<F16, false, 0>,
+            (Dtype::Bf16, true, 1) => $body::<Bf16, true, 1>,
+            (Dtype::Bf16, true, 2) => $body::<Bf16, true, 2>,
+            (Dtype::Bf16, true, 4) => $body::<Bf16, true, 4>,
+            (Dtype::Bf16, true, _) => $body::<Bf16, true, 0>,
+            (Dtype::Bf16, false, 1) => $body::<Bf16, false, 1>,
+            (Dtype::Bf16, false, 2) => $body::<Bf16, false, 2>,
+            (Dtype::Bf16, false, 4) => $body::<Bf16, false, 4>,
+            (Dtype::Bf16, false, _) => $body::<Bf16, false, 0>,
+        };
+        f
+    }};
+}
+#[cfg(not(target_arch = "nvptx64"))]
+pub(crate) use select_family;

@@ -1,0 +1,187 @@
+//! Shared test and bench support: the f64 reference of every op, random inputs, dtype conversion,
+//! tolerances, poisoning, and access to a GPU when there is one.
+
+pub mod reference;
+
+use std::sync::Arc;
+use std::sync::OnceLock;
+
+use half::{bf16, f16};
+use normkern::cudarc::driver::CudaStream;
+use normkern::{Context, Dtype};
+
+/// A storage dtype as the tests see it: conversions to and from f64, a poison value, and the
+/// tolerance its outputs are held to against the f64 reference.
+pub trait TestDtype: Dtype + PartialEq + std::fmt::Debug {
+    const NAME: &'static str;
+    /// Round-trips through the dtype: what the kernel actually reads.
+    fn from_f64(v: f64) -> Self;
+    fn to_f64(self) -> f64;
+    /// The stored bits, for bitwise comparisons (NaN poison included).
+    fn bits(self) -> u32;
+    /// A NaN bit pattern no kernel writes from finite inputs: marks unwritten outputs.
+    fn poison() -> Self;
+    /// `(relative, absolute-relative-to-rms)` tolerance of one output against the f64 reference:
+    /// a couple of output roundings plus f32 arithmetic.
+    const TOLERANCE: (f64, f64);
+}
+
+impl TestDtype for f32 {
+    const NAME: &'static str = "f32";
+    fn from_f64(v: f64) -> Self {
+        v as f32
+    }
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    fn bits(self) -> u32 {
+        self.to_bits()
+    }
+    fn poison() -> Self {
+        f32::from_bits(0x7fc0_dead)
+    }
+    const TOLERANCE: (f64, f64) = (2e-5, 2e-5);
+}
+
+impl TestDtype for f16 {
+    const NAME: &'static str = "f16";
+    fn from_f64(v: f64) -> Self {
+        f16::from_f64(v)
+    }
+    fn to_f64(self) -> f64 {
+        f16::to_f64(self)
+    }
+    fn bits(self) -> u32 {
+        self.to_bits() as u32
+    }
+    fn poison() -> Self {
+        f16::from_bits(0x7e5a)
+    }
+    const TOLERANCE: (f64, f64) = (2e-3, 2e-3);
+}
+
+impl TestDtype for bf16 {
+    const NAME: &'static str = "bf16";
+    fn from_f64(v: f64) -> Self {
+        bf16::from_f64(v)
+    }
+    fn to_f64(self) -> f64 {
+        bf16::to_f64(self)
+    }
+    fn bits(self) -> u32 {
+        self.to_bits() as u32
+    }
+    fn poison() -> Self {
+        bf16::from_bits(0x7fda)
+    }
+    const TOLERANCE: (f64, f64) = (1.6e-2, 1.6e-2);
+}
+
+/// splitmix64: small, fast, good enough for test data.
+pub struct Rng(u64);
+
+impl Rng {
+    /// A fresh seed every run (printed, so a failure can be replayed with `NORMKERN_SEED`).
+    pub fn fresh(what: &str) -> Self {
+        let seed = std::env::var("NORMKERN_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                let t = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default();
+                t.as_nanos() as u64 ^ (std::process::id() as u64) << 32
+            });
+        eprintln!("{what}: seed {seed} (replay with NORMKERN_SEED={seed})");
+        Rng(seed)
+    }
+    pub fn seeded(seed: u64) -> Self {
+        Rng(seed)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [lo, hi).
+    pub fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    /// `n` values of dtype `T`, uniform in [lo, hi) before rounding to `T`.
+    pub fn vec<T: TestDtype>(&mut self, n: usize, lo: f64, hi: f64) -> Vec<T> {
+        (0..n).map(|_| T::from_f64(self.uniform(lo, hi))).collect()
+    }
+}
+
+/// Whether two buffers hold the same bits (NaN poison compares equal to itself).
+pub fn same_bits<T: TestDtype>(a: &[T], b: &[T]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.bits() == y.bits())
+}
+
+pub fn to_f64<T: TestDtype>(v: &[T]) -> Vec<f64> {
+    v.iter().map(|x| x.to_f64()).collect()
+}
+
+/// Elements `[r * stride .. r * stride + d]` of each row, as f64.
+pub fn gather_rows<T: TestDtype>(v: &[T], rows: usize, d: usize, stride: usize) -> Vec<f64> {
+    (0..rows)
+        .flat_map(|r| v[r * stride..r * stride + d].iter().map(|x| x.to_f64()))
+        .collect()
+}
+
+/// Root mean square of `v`: the scale absolute tolerances are measured in.
+pub fn rms(v: &[f64]) -> f64 {
+    (v.iter().map(|r| r * r).sum::<f64>() / v.len().max(1) as f64).sqrt()
+}
+
+/// Asserts `got` (stored as `T`) matches the f64 reference elementwise: each element within
+/// `rel·|ref|` or within `abs` (an absolute bound the caller derives from the magnitude of the terms
+/// that produced the value, so results of cancellation are judged fairly). NaN always fails, so
+/// poison left unwritten is caught.
+pub fn assert_close<T: TestDtype>(what: &str, got: &[f64], reference: &[f64], rel: f64, abs: f64) {
+    assert_eq!(got.len(), reference.len(), "{what}: length");
+    for (i, (g, r)) in got.iter().zip(reference).enumerate() {
+        assert!(
+            g.is_finite(),
+            "{what}: element {i} is {g} (unwritten or overflow); reference {r}"
+        );
+        assert!(
+            approx::relative_eq!(*g, *r, epsilon = abs, max_relative = rel),
+            "{what} [{}]: element {i} = {g}, reference {r} (tolerance {rel:e} relative or {abs:e} absolute)",
+            T::NAME
+        );
+    }
+}
+
+/// The shared GPU context of a test process, or why there is none. With `NORMKERN_REQUIRE_GPU=1`
+/// (the bundle's run script sets it) a missing GPU fails instead of skipping.
+pub fn gpu() -> Option<&'static (Context, Arc<CudaStream>)> {
+    static GPU: OnceLock<Result<(Context, Arc<CudaStream>), String>> = OnceLock::new();
+    let gpu = GPU.get_or_init(|| {
+        let ctx = Context::new(0).map_err(|e| e.to_string())?;
+        let stream = ctx.cuda().new_stream().map_err(|e| format!("{e:?}"))?;
+        Ok((ctx, stream))
+    });
+    match gpu {
+        Ok(g) => Some(g),
+        Err(why) => {
+            if std::env::var("NORMKERN_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("NORMKERN_REQUIRE_GPU=1 but no GPU: {why}");
+            }
+            eprintln!("skipping GPU test: {why}");
+            None
+        }
+    }
+}
+
+/// A 16-byte-aligned f32 buffer of `n` elements (the emulator's workspace takes 16-byte stores).
+pub fn aligned_f32(n: usize) -> Vec<[f32; 4]> {
+    vec![[f32::NAN; 4]; n.div_ceil(4).max(1)]
+}
+
+/// The first `n` floats of an [`aligned_f32`] buffer.
+pub fn floats_mut(buf: &mut [[f32; 4]], n: usize) -> &mut [f32] {
+    &mut buf.as_flattened_mut()[..n]
+}

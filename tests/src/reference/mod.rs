@@ -1,0 +1,4 @@
+//! f64 CPU references, one module per op family, each checked against central finite differences
+//! in its test file.
+
+pub mod rms_norm;

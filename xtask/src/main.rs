@@ -1,0 +1,324 @@
+//! Project tasks: `cargo xtask <task>`.
+//!
+//! - `build-ptx [--check]`: compile `normkern-gpu` to PTX for every target architecture and write
+//!   `host/ptx/normkern_<arch>.ptx`; with `--check`, rebuild and fail on any byte difference.
+//! - `ptxas`: run ptxas (`$PTXAS` or PATH) on every PTX; print registers, stack frame and spills per
+//!   kernel; fail when any kernel has a stack frame or spills.
+//! - `bundle [DIR]`: build the release test and bench executables and collect them with `run.sh`
+//!   into DIR (default `bundle/`), for a GPU host that has a driver but no Rust toolchain.
+//! - `bench [ARGS]`: run the benchmark binary here.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+/// Target architectures with one PTX each; the host loads the newest not above the device's.
+const ARCHS: [&str; 2] = ["sm_80", "sm_90"];
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("build-ptx") => build_ptx(args.iter().any(|a| a == "--check")),
+        Some("ptxas") => ptxas(),
+        Some("bundle") => bundle(
+            args.get(1)
+                .map(PathBuf::from)
+                .unwrap_or_else(|| root().join("bundle")),
+        ),
+        Some("bench") => bench(&args[1..]),
+        _ => Err(
+            "usage: cargo xtask <build-ptx [--check] | ptxas | bundle [DIR] | bench [ARGS]>".into(),
+        ),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+type Result<T = ()> = std::result::Result<T, String>;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+fn run(cmd: &mut Command) -> Result {
+    let status = cmd.status().map_err(|e| format!("{cmd:?}: {e}"))?;
+    if !status.success() {
+        return Err(format!("{cmd:?} failed: {status}"));
+    }
+    Ok(())
+}
+
+fn ptx_path(arch: &str) -> PathBuf {
+    root()
+        .join("host/ptx")
+        .join(format!("normkern_{}.ptx", arch.replace('_', "")))
+}
+
+/// Compiles the kernel crate for one architecture and returns the PTX text.
+fn compile_ptx(arch: &str) -> Result<String> {
+    let root = root();
+    let target_dir = root.join("target/ptx").join(arch);
+    // The nested cargo must not inherit this process's flags; everything it needs is set here.
+    let rustflags = [
+        format!("-C target-cpu={arch}"),
+        "-Zunstable-options".into(),
+        "-Cpanic=immediate-abort".into(),
+        // Keep per-thread register tiles unrolled (no local memory): see NVPTX-RUST.md.
+        "-C llvm-args=-unroll-threshold=1000".into(),
+        format!("--remap-path-prefix={}=.", root.display()),
+    ]
+    .join(" ");
+    run(
+        Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .current_dir(&root)
+            .env_remove("CARGO_ENCODED_RUSTFLAGS")
+            .env_remove("RUSTC_WRAPPER")
+            .env_remove("RUSTC_WORKSPACE_WRAPPER")
+            .env("RUSTFLAGS", rustflags)
+            .args([
+                "rustc",
+                "--quiet",
+                "-p",
+                "normkern-gpu",
+                "--release",
+                "--target",
+                "nvptx64-nvidia-cuda",
+            ])
+            .args(["-Zbuild-std=core", "--crate-type", "cdylib", "--target-dir"])
+            .arg(&target_dir),
+    )?;
+    let out = target_dir.join("nvptx64-nvidia-cuda/release/normkern_gpu.ptx");
+    let ptx = std::fs::read_to_string(&out).map_err(|e| format!("{}: {e}", out.display()))?;
+    if let Some(line) = ptx.lines().find(|l| l.contains(&*root.to_string_lossy())) {
+        return Err(format!(
+            "{arch}: PTX contains a path of this checkout, so it is not reproducible: {line}"
+        ));
+    }
+    Ok(ptx)
+}
+
+fn build_ptx(check: bool) -> Result {
+    let mut stale = Vec::new();
+    for arch in ARCHS {
+        let ptx = compile_ptx(arch)?;
+        let path = ptx_path(arch);
+        if check {
+            let committed = std::fs::read_to_string(&path).unwrap_or_default();
+            if committed != ptx {
+                stale.push(path.display().to_string());
+            }
+        } else {
+            std::fs::write(&path, &ptx).map_err(|e| format!("{}: {e}", path.display()))?;
+            println!(
+                "wrote {} ({} kernels, {} bytes)",
+                path.display(),
+                ptx.matches(".entry ").count(),
+                ptx.len()
+            );
+        }
+    }
+    if !stale.is_empty() {
+        return Err(format!(
+            "PTX out of date (run `cargo xtask build-ptx` and commit): {}",
+            stale.join(", ")
+        ));
+    }
+    if check {
+        println!("PTX up to date for {}", ARCHS.join(", "));
+    }
+    Ok(())
+}
+
+/// One kernel's line of the ptxas report.
+struct Resources {
+    kernel: String,
+    registers: u32,
+    stack: u32,
+    spill_stores: u32,
+    spill_loads: u32,
+}
+
+fn number_before(text: &str, unit: &str) -> u32 {
+    text.split(',')
+        .find(|part| part.contains(unit))
+        .and_then(|part| part.split_whitespace().find_map(|w| w.parse().ok()))
+        .unwrap_or(0)
+}
+
+fn parse_ptxas(report: &str) -> Vec<Resources> {
+    let mut out: Vec<Resources> = Vec::new();
+    for line in report.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let kernel = rest.split('\'').next().unwrap_or("").to_string();
+            out.push(Resources {
+                kernel,
+                registers: 0,
+                stack: 0,
+                spill_stores: 0,
+                spill_loads: 0,
+            });
+        } else if let Some(r) = out.last_mut() {
+            if line.contains("bytes stack frame") {
+                r.stack = number_before(line, "stack frame");
+                r.spill_stores = number_before(line, "spill stores");
+                r.spill_loads = number_before(line, "spill loads");
+            } else if line.contains("Used ") && line.contains("registers") {
+                r.registers = line
+                    .split("Used ")
+                    .nth(1)
+                    .and_then(|s| s.split_whitespace().next())
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(0);
+            }
+        }
+    }
+    out
+}
+
+fn ptxas() -> Result {
+    let ptxas = std::env::var("PTXAS").unwrap_or_else(|_| "ptxas".into());
+    let mut bad = Vec::new();
+    for arch in ARCHS {
+        let path = ptx_path(arch);
+        let output = Command::new(&ptxas)
+            .args(["-v", &format!("-arch={arch}")])
+            .arg(&path)
+            .args(["-o", "/dev/null"])
+            .output()
+            .map_err(|e| format!("cannot run ptxas ({ptxas}; set $PTXAS): {e}"))?;
+        let report = String::from_utf8_lossy(&output.stderr);
+        if !output.status.success() {
+            return Err(format!("ptxas failed on {}:\n{report}", path.display()));
+        }
+        let kernels = parse_ptxas(&report);
+        println!("{arch}: {} kernels ({})", kernels.len(), path.display());
+        println!(
+            "  {:<28} {:>5} {:>6} {:>7}",
+            "kernel", "regs", "stack", "spills"
+        );
+        for r in &kernels {
+            println!(
+                "  {:<28} {:>5} {:>6} {:>7}",
+                r.kernel,
+                r.registers,
+                r.stack,
+                r.spill_stores + r.spill_loads
+            );
+            if r.stack > 0 || r.spill_stores > 0 || r.spill_loads > 0 {
+                bad.push(format!("{arch} {}", r.kernel));
+            }
+        }
+        if kernels.is_empty() {
+            return Err(format!("ptxas reported no kernels for {}", path.display()));
+        }
+    }
+    if !bad.is_empty() {
+        return Err(format!(
+            "kernels with a stack frame or spills: {}",
+            bad.join(", ")
+        ));
+    }
+    println!("ptxas: every kernel has 0 bytes stack frame and 0 spills");
+    Ok(())
+}
+
+/// Paths of the executables a cargo build with `--message-format=json` produced.
+fn executables(json: &str) -> Vec<PathBuf> {
+    json.lines()
+        .filter_map(|l| l.split("\"executable\":\"").nth(1))
+        .filter_map(|rest| rest.split('"').next())
+        .map(PathBuf::from)
+        .collect()
+}
+
+fn cargo_json(args: &[&str]) -> Result<String> {
+    let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .current_dir(root())
+        .args(args)
+        .args(["--release", "--message-format=json"])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| e.to_string())?;
+    if !out.status.success() {
+        return Err(format!("cargo {} failed", args.join(" ")));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn bundle(dir: PathBuf) -> Result {
+    let tests = cargo_json(&["test", "-p", "normkern-tests", "--no-run"])?;
+    let bins = cargo_json(&["build", "-p", "normkern-tests", "--bins"])?;
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("tests")).map_err(|e| e.to_string())?;
+    let mut test_names = Vec::new();
+    for exe in executables(&tests) {
+        // Test executables are named `<target>-<hash>`; keep the target name.
+        let file = exe
+            .file_name()
+            .and_then(|f| f.to_str())
+            .unwrap_or("test")
+            .to_string();
+        let name = file
+            .rsplit_once('-')
+            .map_or(file.as_str(), |(n, _)| n)
+            .to_string();
+        std::fs::copy(&exe, dir.join("tests").join(&name))
+            .map_err(|e| format!("{}: {e}", exe.display()))?;
+        test_names.push(name);
+    }
+    for exe in executables(&bins) {
+        let name = exe.file_name().and_then(|f| f.to_str()).unwrap_or("bin");
+        std::fs::copy(&exe, dir.join(name)).map_err(|e| format!("{}: {e}", exe.display()))?;
+    }
+    let script = r#"#!/usr/bin/env bash
+# Runs normkern's GPU tests and benchmark on a host with a CUDA driver (no Rust needed).
+# Usage: ./run.sh [tests|bench|demo|all] [extra args for the bench]
+set -uo pipefail
+cd "$(dirname "$0")"
+what=${1:-all}; shift || true
+status=0
+if [[ $what == tests || $what == all ]]; then
+  for t in tests/*; do
+    echo "== $t"
+    NORMKERN_REQUIRE_GPU=1 "$t" --test-threads=1 || status=1
+  done
+fi
+if [[ $what == demo || $what == all ]]; then ./demo || status=1; fi
+if [[ $what == bench || $what == all ]]; then ./bench "$@" || status=1; fi
+exit $status
+"#;
+    let run_sh = dir.join("run.sh");
+    std::fs::write(&run_sh, script).map_err(|e| e.to_string())?;
+    run(Command::new("chmod").arg("+x").arg(&run_sh))?;
+    println!(
+        "bundle in {} ({} test executables)",
+        dir.display(),
+        test_names.len()
+    );
+    Ok(())
+}
+
+fn bench(args: &[String]) -> Result {
+    run(
+        Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .current_dir(root())
+            .args([
+                "run",
+                "--quiet",
+                "--release",
+                "-p",
+                "normkern-tests",
+                "--bin",
+                "bench",
+                "--",
+            ])
+            .args(args),
+    )
+}
