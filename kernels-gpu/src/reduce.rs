@@ -8,68 +8,67 @@
 use crate::arch::{self, WARP};
 use crate::element::{Access, Element, Pack};
 
-/// Sum over the 32 lanes of a warp; every lane gets the total.
+/// Sums of `N` values over the 32 lanes of a warp; every lane gets the totals.
 #[inline(always)]
-pub fn warp_sum(mut v: f32) -> f32 {
+pub fn warp_sums<const N: usize>(mut v: [f32; N]) -> [f32; N] {
     let mut mask = WARP as u32 / 2;
     while mask > 0 {
-        v += arch::shfl_xor(v, mask);
+        for x in v.iter_mut() {
+            *x += arch::shfl_xor(*x, mask);
+        }
         mask >>= 1;
     }
     v
 }
 
-/// Two sums over a warp at once.
+/// Sum over the 32 lanes of a warp; every lane gets the total.
 #[inline(always)]
-pub fn warp_sum2(mut a: f32, mut b: f32) -> (f32, f32) {
-    let mut mask = WARP as u32 / 2;
-    while mask > 0 {
-        a += arch::shfl_xor(a, mask);
-        b += arch::shfl_xor(b, mask);
-        mask >>= 1;
-    }
-    (a, b)
+pub fn warp_sum(v: f32) -> f32 {
+    warp_sums([v])[0]
 }
 
-/// Words of dynamic shared memory [`block_sum`] and [`block_sum2`] need.
-pub const BLOCK_SUM_SHARED_WORDS: usize = 2 * WARP;
+/// Most values [`block_sums`] reduces at once.
+pub const MAX_BLOCK_SUMS: usize = 2;
+/// Words of dynamic shared memory [`block_sums`] needs.
+pub const BLOCK_SUM_SHARED_WORDS: usize = MAX_BLOCK_SUMS * WARP;
 
-/// Sum over the whole block (a multiple of 32 threads, at most 1024); every thread gets the total.
-/// Uses the first [`BLOCK_SUM_SHARED_WORDS`] words of dynamic shared memory.
+/// Sums of `N ≤ 2` values over the whole block (a multiple of 32 threads, at most 1024), with one
+/// pair of barriers for all of them; every thread gets the totals. Uses the first
+/// [`BLOCK_SUM_SHARED_WORDS`] words of dynamic shared memory.
 ///
 /// # Safety
 /// Every thread of the block calls it (it contains barriers); the launch provides the shared words.
 #[inline(always)]
-pub unsafe fn block_sum(v: f32) -> f32 {
-    unsafe { block_sum2(v, 0.0).0 }
-}
-
-/// Two sums over the whole block at once (one pair of barriers for both).
-///
-/// # Safety
-/// As for [`block_sum`].
-#[inline(always)]
-pub unsafe fn block_sum2(a: f32, b: f32) -> (f32, f32) {
+pub unsafe fn block_sums<const N: usize>(v: [f32; N]) -> [f32; N] {
     let shared = arch::shared_f32();
     let tid = arch::thread_idx();
     let (lane, warp, warps) = (tid % WARP, tid / WARP, arch::block_dim() / WARP);
-    let (a, b) = warp_sum2(a, b);
+    let v = warp_sums(v);
     if lane == 0 {
-        unsafe {
-            shared.store(warp, a);
-            shared.store(WARP + warp, b);
+        for (i, x) in v.iter().enumerate() {
+            unsafe { shared.store(i * WARP + warp, *x) };
         }
     }
     arch::sync_threads();
-    let (a, b) = if lane < warps {
-        unsafe { (shared.load(lane), shared.load(WARP + lane)) }
-    } else {
-        (0.0, 0.0)
-    };
-    let total = warp_sum2(a, b);
+    let mut partial = [0.0f32; N];
+    if lane < warps {
+        for (i, x) in partial.iter_mut().enumerate() {
+            *x = unsafe { shared.load(i * WARP + lane) };
+        }
+    }
+    let total = warp_sums(partial);
     // The next call stores into the same words: nobody may still be reading them.
     arch::sync_threads();
     total
+}
+
+/// Sum of one value over the whole block; see [`block_sums`].
+///
+/// # Safety
+/// As for [`block_sums`].
+#[inline(always)]
+pub unsafe fn block_sum(v: f32) -> f32 {
+    unsafe { block_sums([v])[0] }
 }
 
 /// Parameters of the column sum: `out[j] = Σ_g partials[g·d + j]`, g in a fixed order.

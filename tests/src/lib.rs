@@ -185,3 +185,5 @@ pub fn aligned_f32(n: usize) -> Vec<[f32; 4]> {
 pub fn floats_mut(buf: &mut [[f32; 4]], n: usize) -> &mut [f32] {
     &mut buf.as_flattened_mut()[..n]
 }
+
+pub mod bench;

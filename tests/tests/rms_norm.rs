@@ -498,8 +498,14 @@ fn gpu_shapes<T: TestDtype>() {
     let Some((ctx, stream)) = gpu() else { return };
     let mut rng = Rng::fresh(&format!("gpu_{}", T::NAME));
     for (rows, d) in GPU_SHAPES {
+        let start = std::time::Instant::now();
         let case = Case::<T>::dense(&mut rng, rows, d);
         case.check(&case.run_gpu(ctx, stream), "gpu");
+        eprintln!(
+            "gpu {} {rows}×{d}: ok in {:.2} s",
+            T::NAME,
+            start.elapsed().as_secs_f64()
+        );
     }
     // Strided rows, and views one element off 16-byte alignment (the scalar path).
     for (rows, d, stride, offset) in [

@@ -33,6 +33,11 @@ pub fn sync_threads() {
 }
 
 /// Butterfly shuffle over the full warp: returns `v` of lane `lane ^ lane_mask`.
+///
+/// Deliberately *not* `pure`/`nomem`: LLVM does not know a shuffle is convergent, and a pure asm
+/// whose result is used in one branch gets sunk into that branch (seen: the first round of a block
+/// reduction moved under `if lane == 0`), where the other 31 lanes never arrive and the warp hangs.
+/// Declaring side effects keeps every shuffle where the source puts it.
 #[inline(always)]
 pub fn shfl_xor(v: f32, lane_mask: u32) -> f32 {
     let out: u32;
@@ -42,7 +47,7 @@ pub fn shfl_xor(v: f32, lane_mask: u32) -> f32 {
             out = out(reg32) out,
             v = in(reg32) v.to_bits(),
             m = in(reg32) lane_mask,
-            options(pure, nomem, nostack, preserves_flags)
+            options(nostack, preserves_flags)
         );
     }
     f32::from_bits(out)

@@ -1,0 +1,45 @@
+//! Timing support shared by the bench binary and the demo: CUDA-event timing and the device copy
+//! bandwidth that every result is reported against.
+
+use std::sync::Arc;
+
+use normkern::cudarc::driver::sys::CUevent_flags;
+use normkern::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+
+/// Median of `reps` timings (µs) of `f`, each between two CUDA events on `stream`, after `warmup`
+/// untimed calls.
+pub fn median_us(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    warmup: usize,
+    reps: usize,
+    mut f: impl FnMut(usize),
+) -> f64 {
+    for i in 0..warmup {
+        f(i);
+    }
+    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let mut times = Vec::with_capacity(reps);
+    for i in 0..reps {
+        let start = ctx.new_event(flags).expect("event");
+        let end = ctx.new_event(flags).expect("event");
+        start.record(stream).expect("record");
+        f(warmup + i);
+        end.record(stream).expect("record");
+        end.synchronize().expect("sync");
+        times.push(start.elapsed_ms(&end).expect("elapsed") as f64 * 1e3);
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    times[times.len() / 2]
+}
+
+/// Device-to-device copy bandwidth in GB/s (bytes read + bytes written), 1 GiB each way.
+pub fn copy_bandwidth(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, reps: usize) -> f64 {
+    let n = 1usize << 28; // 2^28 f32 = 1 GiB
+    let src: CudaSlice<f32> = stream.clone_htod(&vec![1.5f32; n]).expect("alloc");
+    let mut dst: CudaSlice<f32> = stream.alloc_zeros(n).expect("alloc");
+    let us = median_us(ctx, stream, 5, reps, |_| {
+        stream.memcpy_dtod(&src, &mut dst).expect("copy")
+    });
+    2.0 * (n * 4) as f64 / (us * 1e-6) / 1e9
+}

@@ -1,0 +1,74 @@
+//! normkern's benchmark: every op against the device's copy bandwidth, measured in the same run.
+//!
+//! `cargo xtask bench [--reps N] [--quick]`, or `./bench` in a bundle. Times are medians of CUDA
+//! event timings after warm-up; inputs rotate over enough sets to exceed L2; bytes count the
+//! minimal traffic (each input read once, each output written once).
+
+mod rms_norm;
+
+use normkern::Context;
+use normkern_tests::bench::copy_bandwidth;
+
+/// One measured row of the table.
+pub struct Measurement {
+    pub op: &'static str,
+    pub shape: String,
+    pub dtype: &'static str,
+    pub us: f64,
+    pub bytes: f64,
+}
+
+/// Benchmark settings from the command line.
+pub struct Settings {
+    pub reps: usize,
+    pub warmup: usize,
+    pub quick: bool,
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let value = |flag: &str| {
+        args.iter()
+            .position(|a| a == flag)
+            .and_then(|i| args.get(i + 1))
+            .and_then(|v| v.parse().ok())
+    };
+    let settings = Settings {
+        reps: value("--reps").unwrap_or(200),
+        warmup: 20,
+        quick: args.iter().any(|a| a == "--quick"),
+    };
+    let ctx = match Context::new(0) {
+        Ok(ctx) => ctx,
+        Err(e) => {
+            println!("bench: no GPU ({e}); nothing to measure");
+            return;
+        }
+    };
+    let stream = ctx.cuda().new_stream().expect("stream");
+    let name = ctx.cuda().name().unwrap_or_default();
+    let copy = copy_bandwidth(ctx.cuda(), &stream, 50);
+    let mut results = Vec::new();
+    results.extend(rms_norm::run(&ctx, &stream, &settings));
+    println!();
+    println!(
+        "device: {name}, {} SMs, PTX sm_{}",
+        ctx.sm_count(),
+        ctx.ptx_arch()
+    );
+    println!("copy bandwidth (device-to-device, read + write): {copy:.0} GB/s");
+    println!("| op | rows×d | dtype | µs | GB/s | % of copy |");
+    println!("|---|---|---|---:|---:|---:|");
+    for m in &results {
+        let gbs = m.bytes / (m.us * 1e-6) / 1e9;
+        println!(
+            "| {} | {} | {} | {:.1} | {:.0} | {:.1} |",
+            m.op,
+            m.shape,
+            m.dtype,
+            m.us,
+            gbs,
+            100.0 * gbs / copy
+        );
+    }
+}
