@@ -84,8 +84,10 @@ pub struct ColumnSumParams {
 }
 
 /// Threads per block of [`column_sum`]: 32 columns × `COLUMN_SUM_SLICES` group slices.
-pub const COLUMN_SUM_THREADS: usize = 256;
-/// Group slices per block of [`column_sum`]: slice `s` sums groups `s, s + 8, s + 16, …`, then the
+pub const COLUMN_SUM_THREADS: usize = 512;
+/// Loads each thread of [`column_sum`] keeps in flight.
+const COLUMN_SUM_UNROLL: usize = 8;
+/// Group slices per block of [`column_sum`]: slice `s` sums groups `s, s + 16, s + 32, …`, then the
 /// slices are added in slice order.
 pub const COLUMN_SUM_SLICES: usize = COLUMN_SUM_THREADS / WARP;
 
@@ -105,10 +107,23 @@ pub unsafe fn column_sum<T: Element>(p: &ColumnSumParams) {
         let col = block * WARP + lane;
         let mut acc = 0.0f32;
         if col < d {
+            // Issue COLUMN_SUM_UNROLL independent loads, then add them in group order: the order
+            // is the plain sequential one, the loads overlap instead of waiting one by one.
             let mut g = slice;
             while g < groups {
-                acc += unsafe { partials.add(g * d + col).read() };
-                g += COLUMN_SUM_SLICES;
+                let mut vals = [0.0f32; COLUMN_SUM_UNROLL];
+                #[allow(clippy::needless_range_loop)] // indexed so LLVM keeps `vals` in registers
+                for u in 0..COLUMN_SUM_UNROLL {
+                    let gu = g + u * COLUMN_SUM_SLICES;
+                    if gu < groups {
+                        vals[u] = unsafe { partials.add(gu * d + col).read() };
+                    }
+                }
+                #[allow(clippy::needless_range_loop)]
+                for u in 0..COLUMN_SUM_UNROLL {
+                    acc += vals[u];
+                }
+                g += COLUMN_SUM_UNROLL * COLUMN_SUM_SLICES;
             }
         }
         unsafe { shared.store(tid, acc) };

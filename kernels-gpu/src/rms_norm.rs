@@ -193,8 +193,9 @@ unsafe fn backward_regs<T: Element, const VEC: bool, const VPT: usize>(p: &Backw
         let first = group * p.rows_per_group as usize;
         let end = (first + p.rows_per_group as usize).min(rows);
         let mut dgamma = [[0.0f32; 8]; VPT];
-        for row in first..end {
-            let rstd = unsafe { (p.rstd as *const f32).add(row).read() };
+        // Loads of row r+1 are issued before row r's reduction and stores, so a block always has
+        // a row in flight: with only a couple of blocks per SM that is what hides memory latency.
+        let load_row = |row: usize| {
             let x_row = row_addr::<T>(p.x, row, p.x_stride);
             let dy_row = row_addr::<T>(p.dy, row, p.dy_stride);
             let mut x: [Pack; VPT] = [[0; 4]; VPT];
@@ -204,6 +205,14 @@ unsafe fn backward_regs<T: Element, const VEC: bool, const VPT: usize>(p: &Backw
                     x[k] = unsafe { Access::<T, VEC>::load(x_row, elem(k)) };
                     dy[k] = unsafe { Access::<T, VEC>::load(dy_row, elem(k)) };
                 }
+            }
+            (x, dy, unsafe { (p.rstd as *const f32).add(row).read() })
+        };
+        let mut next = if first < end { load_row(first) } else { ([[0; 4]; VPT], [[0; 4]; VPT], 0.0) };
+        for row in first..end {
+            let (x, dy, rstd) = next;
+            if row + 1 < end {
+                next = load_row(row + 1);
             }
             let mut dot = 0.0f32;
             for k in 0..VPT {
