@@ -89,14 +89,24 @@ unsafe fn forward_regs<T: Element, const VEC: bool, const VPT: usize>(p: &Forwar
             *g = unsafe { Access::<T, VEC>::load(p.gamma, elem(k)) };
         }
     }
-    let mut row = arch::block_idx();
-    while row < p.rows as usize {
+    // As in the backward: the next row's loads are issued before this row's reduction and stores.
+    let load_row = |row: usize| {
         let x_row = row_addr::<T>(p.x, row, p.x_stride);
         let mut x: [Pack; VPT] = [[0; 4]; VPT];
         for (k, xk) in x.iter_mut().enumerate() {
             if elem(k) < d {
                 *xk = unsafe { Access::<T, VEC>::load(x_row, elem(k)) };
             }
+        }
+        x
+    };
+    let rows = p.rows as usize;
+    let mut row = arch::block_idx();
+    let mut next = if row < rows { load_row(row) } else { [[0; 4]; VPT] };
+    while row < rows {
+        let x = next;
+        if row + arch::grid_dim() < rows {
+            next = load_row(row + arch::grid_dim());
         }
         let mut sum_sq = 0.0f32;
         for xk in &x {
