@@ -27,48 +27,68 @@ pub fn warp_sum(v: f32) -> f32 {
     warp_sums([v])[0]
 }
 
-/// Most values [`block_sums`] reduces at once.
+/// Most values one [`BlockReducer::sums`] call reduces at once.
 pub const MAX_BLOCK_SUMS: usize = 2;
-/// Words of dynamic shared memory [`block_sums`] needs.
-pub const BLOCK_SUM_SHARED_WORDS: usize = MAX_BLOCK_SUMS * WARP;
+/// Words of dynamic shared memory a [`BlockReducer`] needs: two slots of one word per warp per value.
+pub const BLOCK_SUM_SHARED_WORDS: usize = 2 * MAX_BLOCK_SUMS * WARP;
 
-/// Sums of `N ≤ 2` values over the whole block (a multiple of 32 threads, at most 1024), with one
-/// pair of barriers for all of them; every thread gets the totals. Uses the first
-/// [`BLOCK_SUM_SHARED_WORDS`] words of dynamic shared memory.
-///
-/// # Safety
-/// Every thread of the block calls it (it contains barriers); the launch provides the shared words.
-#[inline(always)]
-pub unsafe fn block_sums<const N: usize>(v: [f32; N]) -> [f32; N] {
-    let shared = arch::shared_f32();
-    let tid = arch::thread_idx();
-    let (lane, warp, warps) = (tid % WARP, tid / WARP, arch::block_dim() / WARP);
-    let v = warp_sums(v);
-    if lane == 0 {
-        for (i, x) in v.iter().enumerate() {
-            unsafe { shared.store(i * WARP + warp, *x) };
-        }
-    }
-    arch::sync_threads();
-    let mut partial = [0.0f32; N];
-    if lane < warps {
-        for (i, x) in partial.iter_mut().enumerate() {
-            *x = unsafe { shared.load(i * WARP + lane) };
-        }
-    }
-    let total = warp_sums(partial);
-    // The next call stores into the same words: nobody may still be reading them.
-    arch::sync_threads();
-    total
+/// Block-wide sums with one barrier each. Successive calls alternate between two shared-memory
+/// slots: a warp can only store into a slot again after passing the barrier of the call in between,
+/// which every other warp reaches only after reading that slot, so no second barrier is needed.
+/// Every thread of the block must make the same sequence of calls on its own reducer.
+pub struct BlockReducer {
+    slot: usize,
 }
 
-/// Sum of one value over the whole block; see [`block_sums`].
-///
-/// # Safety
-/// As for [`block_sums`].
-#[inline(always)]
-pub unsafe fn block_sum(v: f32) -> f32 {
-    unsafe { block_sums([v])[0] }
+impl BlockReducer {
+    #[inline(always)]
+    pub fn new() -> Self {
+        BlockReducer { slot: 0 }
+    }
+
+    /// Sums of `N ≤ 2` values over the whole block (a multiple of 32 threads, at most 1024); every
+    /// thread gets the totals, summed in a fixed order (lanes by butterfly, then warps).
+    ///
+    /// # Safety
+    /// Every thread of the block calls it (it contains a barrier); the launch provides
+    /// [`BLOCK_SUM_SHARED_WORDS`] words of dynamic shared memory.
+    #[inline(always)]
+    pub unsafe fn sums<const N: usize>(&mut self, v: [f32; N]) -> [f32; N] {
+        let shared = arch::shared_f32();
+        let base = self.slot * MAX_BLOCK_SUMS * WARP;
+        self.slot ^= 1;
+        let tid = arch::thread_idx();
+        let (lane, warp, warps) = (tid % WARP, tid / WARP, arch::block_dim() / WARP);
+        let v = warp_sums(v);
+        if lane == 0 {
+            for (i, x) in v.iter().enumerate() {
+                unsafe { shared.store(base + i * WARP + warp, *x) };
+            }
+        }
+        arch::sync_threads();
+        let mut partial = [0.0f32; N];
+        if lane < warps {
+            for (i, x) in partial.iter_mut().enumerate() {
+                *x = unsafe { shared.load(base + i * WARP + lane) };
+            }
+        }
+        warp_sums(partial)
+    }
+
+    /// The sum of one value over the block; see [`Self::sums`].
+    ///
+    /// # Safety
+    /// As for [`Self::sums`].
+    #[inline(always)]
+    pub unsafe fn sum(&mut self, v: f32) -> f32 {
+        unsafe { self.sums([v])[0] }
+    }
+}
+
+impl Default for BlockReducer {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 /// Parameters of the column sum: `out[j] = Σ_g partials[g·d + j]`, g in a fixed order.

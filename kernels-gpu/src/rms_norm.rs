@@ -15,7 +15,7 @@
 
 use crate::arch;
 use crate::element::{Access, Element, Pack, load_f32s, store_f32s};
-use crate::reduce::block_sum;
+use crate::reduce::BlockReducer;
 use crate::variant::export_family;
 
 /// Launch parameters of the forward. Row strides are in elements; `rstd == 0` skips saving it.
@@ -79,6 +79,7 @@ pub unsafe fn forward<T: Element, const VEC: bool, const VPT: usize>(p: &Forward
 
 #[inline(always)]
 unsafe fn forward_regs<T: Element, const VEC: bool, const VPT: usize>(p: &ForwardParams) {
+    let mut reducer = BlockReducer::new();
     let len = Access::<T, VEC>::LEN;
     let (tid, threads, d) = (arch::thread_idx(), arch::block_dim(), p.d as usize);
     let elem = |k: usize| (tid + k * threads) * len;
@@ -115,7 +116,7 @@ unsafe fn forward_regs<T: Element, const VEC: bool, const VPT: usize>(p: &Forwar
                 sum_sq += v * v;
             }
         }
-        let rstd = arch::rsqrt(unsafe { block_sum(sum_sq) } * p.inv_d + p.eps);
+        let rstd = arch::rsqrt(unsafe { reducer.sum(sum_sq) } * p.inv_d + p.eps);
         if tid == 0 && p.rstd != 0 {
             unsafe { (p.rstd as *mut f32).add(row).write(rstd) };
         }
@@ -135,6 +136,7 @@ unsafe fn forward_regs<T: Element, const VEC: bool, const VPT: usize>(p: &Forwar
 
 #[inline(always)]
 unsafe fn forward_stream<T: Element, const VEC: bool>(p: &ForwardParams) {
+    let mut reducer = BlockReducer::new();
     let len = Access::<T, VEC>::LEN;
     let (tid, threads, d) = (arch::thread_idx(), arch::block_dim(), p.d as usize);
     let accesses = d.div_ceil(len);
@@ -151,7 +153,7 @@ unsafe fn forward_stream<T: Element, const VEC: bool>(p: &ForwardParams) {
             }
             a += threads;
         }
-        let rstd = arch::rsqrt(unsafe { block_sum(sum_sq) } * p.inv_d + p.eps);
+        let rstd = arch::rsqrt(unsafe { reducer.sum(sum_sq) } * p.inv_d + p.eps);
         if tid == 0 && p.rstd != 0 {
             unsafe { (p.rstd as *mut f32).add(row).write(rstd) };
         }
@@ -188,6 +190,7 @@ pub unsafe fn backward<T: Element, const VEC: bool, const VPT: usize>(p: &Backwa
 
 #[inline(always)]
 unsafe fn backward_regs<T: Element, const VEC: bool, const VPT: usize>(p: &BackwardParams) {
+    let mut reducer = BlockReducer::new();
     let len = Access::<T, VEC>::LEN;
     let (tid, threads, d) = (arch::thread_idx(), arch::block_dim(), p.d as usize);
     let elem = |k: usize| (tid + k * threads) * len;
@@ -230,7 +233,7 @@ unsafe fn backward_regs<T: Element, const VEC: bool, const VPT: usize>(p: &Backw
                     dot += T::get(&dy[k], i) * T::get(&gamma[k], i) * (T::get(&x[k], i) * rstd);
                 }
             }
-            let mean_dot = unsafe { block_sum(dot) } * p.inv_d;
+            let mean_dot = unsafe { reducer.sum(dot) } * p.inv_d;
             let dx_row = row_addr::<T>(p.dx, row, p.dx_stride);
             for k in 0..VPT {
                 if elem(k) < d {
@@ -258,6 +261,7 @@ unsafe fn backward_regs<T: Element, const VEC: bool, const VPT: usize>(p: &Backw
 
 #[inline(always)]
 unsafe fn backward_stream<T: Element, const VEC: bool>(p: &BackwardParams) {
+    let mut reducer = BlockReducer::new();
     let len = Access::<T, VEC>::LEN;
     let (tid, threads, d) = (arch::thread_idx(), arch::block_dim(), p.d as usize);
     let accesses = d.div_ceil(len);
@@ -284,7 +288,7 @@ unsafe fn backward_stream<T: Element, const VEC: bool>(p: &BackwardParams) {
                 }
                 a += threads;
             }
-            let mean_dot = unsafe { block_sum(dot) } * p.inv_d;
+            let mean_dot = unsafe { reducer.sum(dot) } * p.inv_d;
             let dx_row = row_addr::<T>(p.dx, row, p.dx_stride);
             let mut a = tid;
             while a < accesses {
