@@ -132,14 +132,12 @@ pub unsafe fn column_sum<T: Element>(p: &ColumnSumParams) {
             let mut g = slice;
             while g < groups {
                 let mut vals = [0.0f32; COLUMN_SUM_UNROLL];
-                #[allow(clippy::needless_range_loop)] // indexed so LLVM keeps `vals` in registers
                 for u in 0..COLUMN_SUM_UNROLL {
                     let gu = g + u * COLUMN_SUM_SLICES;
                     if gu < groups {
                         vals[u] = unsafe { partials.add(gu * d + col).read() };
                     }
                 }
-                #[allow(clippy::needless_range_loop)]
                 for u in 0..COLUMN_SUM_UNROLL {
                     acc += vals[u];
                 }

@@ -103,7 +103,11 @@ unsafe fn forward_regs<T: Element, const VEC: bool, const VPT: usize>(p: &Forwar
     };
     let rows = p.rows as usize;
     let mut row = arch::block_idx();
-    let mut next = if row < rows { load_row(row) } else { [[0; 4]; VPT] };
+    let mut next = if row < rows {
+        load_row(row)
+    } else {
+        [[0; 4]; VPT]
+    };
     while row < rows {
         let x = next;
         if row + arch::grid_dim() < rows {
@@ -221,7 +225,11 @@ unsafe fn backward_regs<T: Element, const VEC: bool, const VPT: usize>(p: &Backw
             }
             (x, dy, unsafe { (p.rstd as *const f32).add(row).read() })
         };
-        let mut next = if first < end { load_row(first) } else { ([[0; 4]; VPT], [[0; 4]; VPT], 0.0) };
+        let mut next = if first < end {
+            load_row(first)
+        } else {
+            ([[0; 4]; VPT], [[0; 4]; VPT], 0.0)
+        };
         for row in first..end {
             let (x, dy, rstd) = next;
             if row + 1 < end {

@@ -261,7 +261,7 @@ fn reference_matches_finite_differences() {
 
 #[test]
 fn bad_views_are_rejected() {
-    let buf = vec![bf16::ONE; 100];
+    let buf = [bf16::ONE; 100];
     assert!(matches!(
         Rows::new(&buf[..], 10, 0),
         Err(Error::EmptyRow { .. })

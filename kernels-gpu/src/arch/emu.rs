@@ -199,7 +199,7 @@ impl SharedF32 {
 /// As on the GPU: `p` is 16-byte aligned with 16 readable bytes.
 pub unsafe fn load16(p: *const u8) -> [u32; 4] {
     assert!(
-        p as usize % 16 == 0,
+        (p as usize).is_multiple_of(16),
         "16-byte load from misaligned address {p:p}"
     );
     unsafe { (p as *const [u32; 4]).read() }
@@ -209,7 +209,7 @@ pub unsafe fn load16(p: *const u8) -> [u32; 4] {
 /// As on the GPU: `p` is 16-byte aligned with 16 writable bytes.
 pub unsafe fn store16(p: *mut u8, v: [u32; 4]) {
     assert!(
-        p as usize % 16 == 0,
+        (p as usize).is_multiple_of(16),
         "16-byte store to misaligned address {p:p}"
     );
     unsafe { (p as *mut [u32; 4]).write(v) }

@@ -27,13 +27,10 @@ fn max_rel(got: &[f64], reference: &[f64]) -> f64 {
         .fold(0.0f64, |m, (g, r)| m.max((g - r).abs() / scale))
 }
 
+/// `[x, dy, gamma]` and `[y, dx, dgamma]` of one run.
 fn check(
-    x: &[bf16],
-    dy: &[bf16],
-    gamma: &[bf16],
-    y: &[bf16],
-    dx: &[bf16],
-    dgamma: &[bf16],
+    [x, dy, gamma]: [&[bf16]; 3],
+    [y, dx, dgamma]: [&[bf16]; 3],
     rows: usize,
     d: usize,
 ) -> Check {
@@ -141,7 +138,7 @@ fn on_gpu(ctx: &Context) -> bool {
         stream.clone_dtoh(&dxd).unwrap(),
         stream.clone_dtoh(&dgamma).unwrap(),
     );
-    let ok = report(&check(&x, &dy, &gamma, &y, &dx, &dg, rows, d));
+    let ok = report(&check([&x, &dy, &gamma], [&y, &dx, &dg], rows, d));
     let copy = copy_bandwidth(ctx.cuda(), &stream, 20);
     let n = (rows * d * 2) as f64;
     let (fwd_gbs, bwd_gbs) = (2.0 * n / fwd_us / 1e3, 3.0 * n / bwd_us / 1e3);
@@ -196,5 +193,5 @@ fn on_emulator() -> bool {
         "forward + backward emulated in {:.2} s (CPU threads; no GPU timing)",
         start.elapsed().as_secs_f64()
     );
-    report(&check(&x, &dy, &gamma, &y, &dx, &dgamma, rows, d))
+    report(&check([&x, &dy, &gamma], [&y, &dx, &dgamma], rows, d))
 }
