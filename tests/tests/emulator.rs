@@ -1,0 +1,78 @@
+//! The CPU emulator reports kernel misuse instead of hanging or corrupting memory: a barrier not
+//! every thread reaches, a shuffle with missing lanes, shared memory out of bounds, a panic.
+
+use normkern_gpu::arch::{self, emu};
+use normkern_gpu::reduce;
+
+fn expect_error(result: Result<(), emu::EmuError>, kernel: &str, needle: &str) {
+    let err = result.expect_err("the misuse went unnoticed");
+    assert_eq!(err.kernel, kernel);
+    let text = err.to_string();
+    assert!(text.contains(kernel) && text.contains(needle), "unexpected report: {text}");
+    eprintln!("reported: {text}");
+}
+
+#[test]
+fn barrier_in_divergent_code_is_reported() {
+    let r = emu::launch("half_barrier", 1, 64, 0, &|| {
+        if arch::thread_idx() < 32 {
+            arch::sync_threads();
+        }
+    });
+    expect_error(r, "half_barrier", "block barrier not reached by all 64 threads");
+}
+
+#[test]
+fn shuffle_with_missing_lanes_is_reported() {
+    let r = emu::launch("half_warp_shuffle", 1, 32, 0, &|| {
+        if arch::thread_idx() < 16 {
+            reduce::warp_sum(1.0);
+        }
+    });
+    expect_error(r, "half_warp_shuffle", "warp shuffle not reached");
+}
+
+#[test]
+fn shuffle_in_a_partial_warp_is_reported() {
+    // 48 threads: the second warp has 16 lanes, a full-mask shuffle there is undefined on a GPU.
+    let r = emu::launch("partial_warp", 1, 48, 0, &|| {
+        reduce::warp_sum(1.0);
+    });
+    expect_error(r, "partial_warp", "warp shuffle not reached");
+}
+
+#[test]
+fn shared_memory_out_of_bounds_is_reported() {
+    let r = emu::launch("shared_overflow", 2, 32, 64, &|| unsafe {
+        arch::shared_f32().store(16 + arch::thread_idx(), 1.0);
+    });
+    expect_error(r, "shared_overflow", "beyond the launch's 16 words");
+}
+
+#[test]
+fn a_panicking_thread_fails_the_launch_with_its_message() {
+    let r = emu::launch("panics", 1, 64, 0, &|| {
+        let v = [0u8; 4];
+        let i = arch::thread_idx();
+        std::hint::black_box(v[i]);
+    });
+    expect_error(r, "panics", "index out of bounds");
+}
+
+#[test]
+fn correct_block_reduction_runs_and_sums_in_order() {
+    let sums = std::sync::Mutex::new(Vec::new());
+    emu::launch("block_sum", 3, 96, reduce::BLOCK_SUM_SHARED_WORDS * 4, &|| {
+        let mut reducer = reduce::BlockReducer::new();
+        // Two successive reductions reuse the alternating slots.
+        let a = unsafe { reducer.sum(arch::thread_idx() as f32) };
+        let [b, c] = unsafe { reducer.sums([1.0, arch::block_idx() as f32]) };
+        if arch::thread_idx() == 0 {
+            sums.lock().unwrap().push((arch::block_idx(), a, b, c));
+        }
+    })
+    .unwrap();
+    let mut sums = sums.into_inner().unwrap();
+    sums.sort_by_key(|s| s.0);
+    assert_eq!(sums, vec![(0, 4560.0, 96.0, 0.0), (1, 4560.0, 96.0, 96.0), (2, 4560.0, 96.0, 192.0)]);
+}
