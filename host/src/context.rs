@@ -10,7 +10,8 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
-use normkern_gpu::variant::{Dtype, EntryName, TILES, Variant};
+use normkern_gpu::activation::Family;
+use normkern_gpu::variant::{ActVariant, Dtype, EntryName, TILES, Variant, act};
 
 use crate::error::{Error, Result};
 use crate::launch::{Executor, Kernel, Shape};
@@ -86,6 +87,13 @@ impl Context {
                             .iter()
                             .map(|&vpt| Variant { dtype, vec, vpt }.entry_name(family)),
                     );
+                }
+            }
+            for family in Family::ALL {
+                for vec in [true, false] {
+                    for (a, _) in act::ALL {
+                        names.push(ActVariant { dtype, vec, act: a }.entry_name(family.prefix()));
+                    }
                 }
             }
         }
@@ -196,6 +204,7 @@ impl Executor for Gpu<'_> {
             Kernel::RmsNormForward(_, p) => launch_one(f, self.stream, cfg, *p),
             Kernel::RmsNormBackward(_, p) => launch_one(f, self.stream, cfg, *p),
             Kernel::ColumnSum(_, p) => launch_one(f, self.stream, cfg, *p),
+            Kernel::Activation(_, _, p) => launch_one(f, self.stream, cfg, *p),
         }
     }
 }

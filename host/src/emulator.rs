@@ -4,7 +4,7 @@
 //! is slow (thousands of OS threads per launch), so keep shapes small.
 
 use normkern_gpu::arch::emu;
-use normkern_gpu::{reduce, rms_norm};
+use normkern_gpu::{activation, reduce, rms_norm};
 
 use crate::error::{Error, Result};
 use crate::launch::{Executor, Kernel, Shape};
@@ -76,6 +76,10 @@ impl Executor for Emulator {
             }
             Kernel::ColumnSum(dt, p) => {
                 let body = reduce::column_sum_body(dt);
+                run(&|| unsafe { body(&p) })
+            }
+            Kernel::Activation(family, v, p) => {
+                let body = activation::body(family, v);
                 run(&|| unsafe { body(&p) })
             }
         }

@@ -1,9 +1,10 @@
 //! What every op shares between validation and the driver: the launch description, how a row is
 //! tiled over a block, how rows form dγ groups, and the executors (GPU or CPU emulator).
 
+use normkern_gpu::activation;
 use normkern_gpu::reduce::{self, ColumnSumParams};
 use normkern_gpu::rms_norm;
-use normkern_gpu::variant::{Dtype, EntryName, STREAM, Variant};
+use normkern_gpu::variant::{ActVariant, Dtype, EntryName, STREAM, Variant};
 
 use crate::error::{Error, Result};
 
@@ -13,6 +14,7 @@ pub(crate) enum Kernel {
     RmsNormForward(Variant, rms_norm::ForwardParams),
     RmsNormBackward(Variant, rms_norm::BackwardParams),
     ColumnSum(Dtype, ColumnSumParams),
+    Activation(activation::Family, ActVariant, activation::Params),
 }
 
 impl Kernel {
@@ -21,6 +23,7 @@ impl Kernel {
             Kernel::RmsNormForward(v, _) => v.entry_name("rms_norm_fwd"),
             Kernel::RmsNormBackward(v, _) => v.entry_name("rms_norm_bwd"),
             Kernel::ColumnSum(dt, _) => EntryName::new("column_sum", *dt),
+            Kernel::Activation(family, v, _) => v.entry_name(family.prefix()),
         }
     }
 }
@@ -127,16 +130,37 @@ pub fn group_layout(rows: usize) -> (usize, usize) {
     (per_group, rows.div_ceil(per_group))
 }
 
-/// Block size and grid of the fixed-order column sum over `d` columns.
-pub(crate) fn column_sum_shape(exec: &dyn Executor, kernel: &Kernel, d: usize) -> Result<Shape> {
+/// The second pass of every deterministic parameter gradient (dγ, dβ, dbias): sums the
+/// `[groups, d]` fp32 partials at `workspace` in a fixed order into `d` elements of `dtype` at
+/// `out`. With `groups == 0` it writes zeros (the gradient over no rows).
+pub(crate) fn launch_column_sum(
+    exec: &dyn Executor,
+    dtype: Dtype,
+    workspace: u64,
+    out: u64,
+    groups: usize,
+    d: usize,
+) -> Result<()> {
+    let kernel = Kernel::ColumnSum(
+        dtype,
+        ColumnSumParams {
+            partials: workspace,
+            out,
+            groups: groups as u32,
+            d: d as u32,
+        },
+    );
     let block = reduce::COLUMN_SUM_THREADS;
     let shared_bytes = reduce::COLUMN_SUM_THREADS * 4;
-    let grid = exec.persistent_grid(kernel, d.div_ceil(32), block, shared_bytes)?;
-    Ok(Shape {
-        grid,
-        block,
-        shared_bytes,
-    })
+    let grid = exec.persistent_grid(&kernel, d.div_ceil(32), block, shared_bytes)?;
+    exec.launch(
+        &kernel,
+        Shape {
+            grid,
+            block,
+            shared_bytes,
+        },
+    )
 }
 
 pub(crate) fn check_eps(eps: f32) -> Result<()> {

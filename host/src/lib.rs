@@ -33,6 +33,7 @@
 //! synchronization, so they can be captured in CUDA graphs. [`Emulator`] runs the same kernels on
 //! the CPU over host slices.
 
+pub mod activation;
 mod context;
 mod emulator;
 mod error;

@@ -9,7 +9,6 @@
 use cudarc::driver::{
     CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice,
 };
-use normkern_gpu::reduce::ColumnSumParams;
 use normkern_gpu::rms_norm::{BackwardParams, ForwardParams};
 use normkern_gpu::variant::{Dtype as KernelDtype, Variant};
 
@@ -17,7 +16,7 @@ use crate::context::{Context, Gpu};
 use crate::emulator::Emulator;
 use crate::error::{Error, Result};
 use crate::launch::{
-    Executor, Kernel, ROW_KERNEL_SHARED_BYTES, Shape, check_eps, column_sum_shape, group_layout,
+    Executor, Kernel, ROW_KERNEL_SHARED_BYTES, Shape, check_eps, group_layout, launch_column_sum,
     packs_fit, row_tile,
 };
 use crate::tensor::{Buffer, Dtype, Rows, RowsMut, RowsRef, expect_len};
@@ -325,15 +324,5 @@ fn run_backward(
             },
         )?;
     }
-    let sum = Kernel::ColumnSum(
-        dtype,
-        ColumnSumParams {
-            partials: workspace,
-            out: dgamma,
-            groups: groups as u32,
-            d: d as u32,
-        },
-    );
-    let shape = column_sum_shape(exec, &sum, d)?;
-    exec.launch(&sum, shape)
+    launch_column_sum(exec, dtype, workspace, dgamma, groups, d)
 }

@@ -21,6 +21,7 @@
 // iterator chains over them are no clearer and sometimes leave arrays in local memory.
 #![allow(clippy::needless_range_loop)]
 
+pub mod activation;
 pub mod arch;
 pub mod element;
 pub mod reduce;

@@ -158,3 +158,108 @@ macro_rules! select_family {
 }
 #[cfg(not(target_arch = "nvptx64"))]
 pub(crate) use select_family;
+
+/// Activation functions, as the `ACT` const parameter of the activation kernels.
+pub mod act {
+    pub const RELU: u32 = 0;
+    pub const SILU: u32 = 1;
+    pub const GELU_ERF: u32 = 2;
+    pub const GELU_TANH: u32 = 3;
+    /// `(value, name)` of every activation, in entry-name order.
+    pub const ALL: [(u32, &str); 4] = [
+        (RELU, "relu"),
+        (SILU, "silu"),
+        (GELU_ERF, "gelu_erf"),
+        (GELU_TANH, "gelu_tanh"),
+    ];
+}
+
+/// One compiled instance of an activation kernel family: dtype × access × activation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ActVariant {
+    pub dtype: Dtype,
+    pub vec: bool,
+    /// One of [`act`].
+    pub act: u32,
+}
+
+impl ActVariant {
+    /// `<family>_<act>_<dtype>_<v|s>`, the scheme [`export_activation_family!`] uses.
+    pub fn entry_name(&self, family: &str) -> EntryName {
+        let mut n = EntryName {
+            buf: [0; 48],
+            len: 0,
+        };
+        n.push(family);
+        n.push("_");
+        n.push(
+            act::ALL
+                .iter()
+                .find(|(v, _)| *v == self.act)
+                .map_or("?", |(_, name)| name),
+        );
+        n.push("_");
+        n.push(self.dtype.name());
+        n.push(if self.vec { "_v" } else { "_s" });
+        n
+    }
+}
+
+/// Exports every instance of an activation kernel family (nvptx only). `$body` is generic over
+/// `<T: Element, const VEC: bool, const ACT: u32>` and takes `&$params`.
+macro_rules! export_activation_family {
+    ($family:literal, $params:ty, $body:ident) => {
+        $crate::variant::export_activation_family!(@act $family, $params, $body, "relu", 0);
+        $crate::variant::export_activation_family!(@act $family, $params, $body, "silu", 1);
+        $crate::variant::export_activation_family!(@act $family, $params, $body, "gelu_erf", 2);
+        $crate::variant::export_activation_family!(@act $family, $params, $body, "gelu_tanh", 3);
+    };
+    (@act $family:literal, $params:ty, $body:ident, $an:literal, $act:literal) => {
+        $crate::variant::export_activation_family!(@one concat!($family, "_", $an, "_f32_v"), $params, $body, F32, true, $act);
+        $crate::variant::export_activation_family!(@one concat!($family, "_", $an, "_f32_s"), $params, $body, F32, false, $act);
+        $crate::variant::export_activation_family!(@one concat!($family, "_", $an, "_f16_v"), $params, $body, F16, true, $act);
+        $crate::variant::export_activation_family!(@one concat!($family, "_", $an, "_f16_s"), $params, $body, F16, false, $act);
+        $crate::variant::export_activation_family!(@one concat!($family, "_", $an, "_bf16_v"), $params, $body, Bf16, true, $act);
+        $crate::variant::export_activation_family!(@one concat!($family, "_", $an, "_bf16_s"), $params, $body, Bf16, false, $act);
+    };
+    (@one $name:expr, $params:ty, $body:ident, $t:ident, $vec:literal, $act:literal) => {
+        #[cfg(target_arch = "nvptx64")]
+        const _: () = {
+            #[unsafe(export_name = $name)]
+            unsafe extern "ptx-kernel" fn entry(p: $params) {
+                unsafe { $body::<$crate::element::$t, $vec, $act>(&p) }
+            }
+        };
+    };
+}
+pub(crate) use export_activation_family;
+
+/// The host-side twin of [`export_activation_family!`], for the emulator.
+#[cfg(not(target_arch = "nvptx64"))]
+macro_rules! select_activation_family {
+    ($variant:expr, $params:ty, $body:ident) => {{
+        use $crate::element::{Bf16, F16, F32};
+        use $crate::variant::Dtype;
+        macro_rules! by_act {
+            ($t:ident, $vec:literal, $a:expr) => {
+                match $a {
+                    0 => $body::<$t, $vec, 0> as unsafe fn(&$params),
+                    1 => $body::<$t, $vec, 1>,
+                    2 => $body::<$t, $vec, 2>,
+                    _ => $body::<$t, $vec, 3>,
+                }
+            };
+        }
+        let v: $crate::variant::ActVariant = $variant;
+        match (v.dtype, v.vec) {
+            (Dtype::F32, true) => by_act!(F32, true, v.act),
+            (Dtype::F32, false) => by_act!(F32, false, v.act),
+            (Dtype::F16, true) => by_act!(F16, true, v.act),
+            (Dtype::F16, false) => by_act!(F16, false, v.act),
+            (Dtype::Bf16, true) => by_act!(Bf16, true, v.act),
+            (Dtype::Bf16, false) => by_act!(Bf16, false, v.act),
+        }
+    }};
+}
+#[cfg(not(target_arch = "nvptx64"))]
+pub(crate) use select_activation_family;

@@ -8,7 +8,10 @@ fn expect_error(result: Result<(), emu::EmuError>, kernel: &str, needle: &str) {
     let err = result.expect_err("the misuse went unnoticed");
     assert_eq!(err.kernel, kernel);
     let text = err.to_string();
-    assert!(text.contains(kernel) && text.contains(needle), "unexpected report: {text}");
+    assert!(
+        text.contains(kernel) && text.contains(needle),
+        "unexpected report: {text}"
+    );
     eprintln!("reported: {text}");
 }
 
@@ -19,7 +22,11 @@ fn barrier_in_divergent_code_is_reported() {
             arch::sync_threads();
         }
     });
-    expect_error(r, "half_barrier", "block barrier not reached by all 64 threads");
+    expect_error(
+        r,
+        "half_barrier",
+        "block barrier not reached by all 64 threads",
+    );
 }
 
 #[test]
@@ -62,17 +69,30 @@ fn a_panicking_thread_fails_the_launch_with_its_message() {
 #[test]
 fn correct_block_reduction_runs_and_sums_in_order() {
     let sums = std::sync::Mutex::new(Vec::new());
-    emu::launch("block_sum", 3, 96, reduce::BLOCK_SUM_SHARED_WORDS * 4, &|| {
-        let mut reducer = reduce::BlockReducer::new();
-        // Two successive reductions reuse the alternating slots.
-        let a = unsafe { reducer.sum(arch::thread_idx() as f32) };
-        let [b, c] = unsafe { reducer.sums([1.0, arch::block_idx() as f32]) };
-        if arch::thread_idx() == 0 {
-            sums.lock().unwrap().push((arch::block_idx(), a, b, c));
-        }
-    })
+    emu::launch(
+        "block_sum",
+        3,
+        96,
+        reduce::BLOCK_SUM_SHARED_WORDS * 4,
+        &|| {
+            let mut reducer = reduce::BlockReducer::new();
+            // Two successive reductions reuse the alternating slots.
+            let a = unsafe { reducer.sum(arch::thread_idx() as f32) };
+            let [b, c] = unsafe { reducer.sums([1.0, arch::block_idx() as f32]) };
+            if arch::thread_idx() == 0 {
+                sums.lock().unwrap().push((arch::block_idx(), a, b, c));
+            }
+        },
+    )
     .unwrap();
     let mut sums = sums.into_inner().unwrap();
     sums.sort_by_key(|s| s.0);
-    assert_eq!(sums, vec![(0, 4560.0, 96.0, 0.0), (1, 4560.0, 96.0, 96.0), (2, 4560.0, 96.0, 192.0)]);
+    assert_eq!(
+        sums,
+        vec![
+            (0, 4560.0, 96.0, 0.0),
+            (1, 4560.0, 96.0, 96.0),
+            (2, 4560.0, 96.0, 192.0)
+        ]
+    );
 }

@@ -71,7 +71,7 @@ fn compile_ptx(arch: &str) -> Result<String> {
         "-Zunstable-options".into(),
         "-Cpanic=immediate-abort".into(),
         // Keep per-thread register tiles unrolled (no local memory): see NVPTX-RUST.md.
-        "-C llvm-args=-unroll-threshold=1000".into(),
+        "-C llvm-args=-unroll-threshold=4000".into(),
         format!("--remap-path-prefix={}=.", root.display()),
     ]
     .join(" ");
@@ -258,7 +258,13 @@ fn bundle(dir: PathBuf) -> Result {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(dir.join("tests")).map_err(|e| e.to_string())?;
     let mut test_names = Vec::new();
-    for exe in executables(&tests) {
+    // Integration tests only: the library and the binaries have no tests of their own.
+    let integration: String = tests
+        .lines()
+        .filter(|l| l.contains("\"kind\":[\"test\"]"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    for exe in executables(&integration) {
         // Test executables are named `<target>-<hash>`; keep the target name.
         let file = exe
             .file_name()

@@ -7,7 +7,8 @@
 //! a panic in any thread (an out-of-bounds index, say) ends the launch with its message.
 //!
 //! Where the emulator's arithmetic differs from the GPU's: `rsqrt` is `1/sqrt` rounded twice in
-//! f32 (the GPU's `rsqrt.approx.f32` is within a few ulp of that); conversions to f16/bf16 round
+//! f32 (the GPU's `rsqrt.approx.f32` is within a few ulp of that), `exp2` is the host libm's (the
+//! GPU's `ex2.approx.f32` is within about 2 ulp); conversions to f16/bf16 round
 //! to nearest even exactly as `cvt.rn` does. Everything else is the same IEEE f32 arithmetic, but
 //! LLVM may contract `a*b+c` into an FMA on the GPU and not on the host, so results agree to
 //! rounding, not bitwise.
@@ -229,6 +230,9 @@ pub fn f32_to_f16(v: f32) -> u16 {
 }
 pub fn rsqrt(v: f32) -> f32 {
     1.0 / v.sqrt()
+}
+pub fn exp2(v: f32) -> f32 {
+    v.exp2()
 }
 
 /// Marks the block poisoned if its thread unwinds, so the others stop waiting at once.

@@ -165,3 +165,14 @@ pub fn rsqrt(v: f32) -> f32 {
     }
     f32::from_bits(r)
 }
+
+/// `ex2.approx.f32`: 2^x to about 2 ulp (sm_75+); subnormal results are kept.
+#[inline(always)]
+pub fn exp2(v: f32) -> f32 {
+    let r: u32;
+    unsafe {
+        asm!("ex2.approx.f32 {r}, {v};", r = out(reg32) r, v = in(reg32) v.to_bits(),
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    f32::from_bits(r)
+}

@@ -4,6 +4,7 @@
 //! event timings after warm-up; inputs rotate over enough sets to exceed L2; bytes count the
 //! minimal traffic (each input read once, each output written once).
 
+mod activation;
 mod rms_norm;
 
 use normkern::Context;
@@ -50,6 +51,7 @@ fn main() {
     let copy = copy_bandwidth(ctx.cuda(), &stream, 50);
     let mut results = Vec::new();
     results.extend(rms_norm::run(&ctx, &stream, &settings));
+    results.extend(activation::run(&ctx, &stream, &settings));
     println!();
     println!(
         "device: {name}, {} SMs, PTX sm_{}",

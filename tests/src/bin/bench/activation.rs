@@ -1,0 +1,184 @@
+//! Activations: plain, gated and with fused dbias, bf16, rows·d = 64Mi elements.
+
+use std::sync::Arc;
+
+use half::bf16;
+use normkern::activation::{self, Activation};
+use normkern::cudarc::driver::{CudaSlice, CudaStream};
+use normkern::{Context, Rows};
+use normkern_tests::Rng;
+use normkern_tests::bench::median_us;
+
+use crate::{Measurement, Settings};
+
+/// Two sets of operands, each far larger than L2, used alternately.
+struct Set {
+    a: CudaSlice<bf16>,
+    b: CudaSlice<bf16>,
+    g: CudaSlice<bf16>,
+    out0: CudaSlice<bf16>,
+    out1: CudaSlice<bf16>,
+}
+
+pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measurement> {
+    let (rows, d) = (16384, 4096);
+    let n = rows * d;
+    let mut rng = Rng::seeded(11);
+    let host_a: Vec<bf16> = rng.vec(n, -4.0, 4.0);
+    let host_g: Vec<bf16> = rng.vec(n, -1.0, 1.0);
+    let mut sets: Vec<Set> = (0..2)
+        .map(|_| Set {
+            a: stream.clone_htod(&host_a).unwrap(),
+            b: stream.clone_htod(&host_g).unwrap(),
+            g: stream.clone_htod(&host_g).unwrap(),
+            out0: stream.alloc_zeros(n).unwrap(),
+            out1: stream.alloc_zeros(n).unwrap(),
+        })
+        .collect();
+    let mut dbias = stream.alloc_zeros::<bf16>(d).unwrap();
+    let mut ws = stream
+        .alloc_zeros::<f32>(activation::workspace_len(rows, d))
+        .unwrap();
+    let shape = format!("{rows}×{d}");
+    let tensor = (n * 2) as f64;
+    let mut out = Vec::new();
+    let acts: &[(Activation, &str)] = if s.quick {
+        &[(Activation::Silu, "silu")]
+    } else {
+        &[
+            (Activation::Relu, "relu"),
+            (Activation::Silu, "silu"),
+            (Activation::GeluErf, "gelu_erf"),
+            (Activation::GeluTanh, "gelu_tanh"),
+        ]
+    };
+    let mut time = |f: &mut dyn FnMut(&mut Set)| {
+        median_us(
+            ctx.cuda(),
+            stream,
+            s.warmup,
+            s.reps,
+            |i| f(&mut sets[i % 2]),
+        )
+    };
+    for &(act, name) in acts {
+        let us = time(&mut |set| {
+            activation::forward(
+                ctx,
+                stream,
+                act,
+                &v(rows, d, &set.a),
+                &mut Rows::new(set.out0.as_view_mut(), rows, d).unwrap(),
+            )
+            .unwrap()
+        });
+        out.push(Measurement {
+            op: leak(format!("{name} fwd")),
+            shape: shape.clone(),
+            dtype: "bf16",
+            us,
+            bytes: 2.0 * tensor,
+        });
+        let us = time(&mut |set| {
+            activation::backward(
+                ctx,
+                stream,
+                act,
+                &v(rows, d, &set.g),
+                &v(rows, d, &set.a),
+                &mut Rows::new(set.out0.as_view_mut(), rows, d).unwrap(),
+            )
+            .unwrap()
+        });
+        out.push(Measurement {
+            op: leak(format!("{name} bwd")),
+            shape: shape.clone(),
+            dtype: "bf16",
+            us,
+            bytes: 3.0 * tensor,
+        });
+        let us = time(&mut |set| {
+            activation::backward_dbias(
+                ctx,
+                stream,
+                act,
+                &v(rows, d, &set.g),
+                &v(rows, d, &set.a),
+                &mut Rows::new(set.out0.as_view_mut(), rows, d).unwrap(),
+                &mut dbias.as_view_mut(),
+                &mut ws.as_view_mut(),
+            )
+            .unwrap()
+        });
+        // dy and preact read, dx written, dbias written (the workspace is not counted).
+        out.push(Measurement {
+            op: leak(format!("{name} bwd+dbias")),
+            shape: shape.clone(),
+            dtype: "bf16",
+            us,
+            bytes: 3.0 * tensor + (d * 2) as f64,
+        });
+        if act == Activation::Relu {
+            continue;
+        }
+        let us = time(&mut |set| {
+            activation::gated_forward(
+                ctx,
+                stream,
+                act,
+                &v(rows, d, &set.a),
+                &v(rows, d, &set.b),
+                &mut Rows::new(set.out0.as_view_mut(), rows, d).unwrap(),
+            )
+            .unwrap()
+        });
+        out.push(Measurement {
+            op: leak(format!("{name} gated fwd")),
+            shape: shape.clone(),
+            dtype: "bf16",
+            us,
+            bytes: 3.0 * tensor,
+        });
+        let us = time(&mut |set| {
+            let Set {
+                a,
+                b,
+                g,
+                out0,
+                out1,
+            } = set;
+            activation::gated_backward(
+                ctx,
+                stream,
+                act,
+                &v(rows, d, g),
+                &v(rows, d, a),
+                &v(rows, d, b),
+                &mut Rows::new(out0.as_view_mut(), rows, d).unwrap(),
+                &mut Rows::new(out1.as_view_mut(), rows, d).unwrap(),
+            )
+            .unwrap()
+        });
+        out.push(Measurement {
+            op: leak(format!("{name} gated bwd")),
+            shape: shape.clone(),
+            dtype: "bf16",
+            us,
+            bytes: 5.0 * tensor,
+        });
+    }
+    out
+}
+
+fn v(
+    rows: usize,
+    d: usize,
+    x: &CudaSlice<bf16>,
+) -> Rows<normkern::cudarc::driver::CudaView<'_, bf16>> {
+    Rows::new(x.as_view(), rows, d).unwrap()
+}
+
+/// Table labels live for the whole (short) run.
+fn leak(s: String) -> &'static str {
+    Box::leak(s.into_boxed_str())
+}
