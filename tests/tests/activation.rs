@@ -282,21 +282,20 @@ fn emulator_matches_reference_bf16() {
     emulated::<bf16>();
 }
 
-#[test]
-fn emulator_gated_packed_and_separate() {
-    let mut rng = Rng::fresh("gated_emulator");
+fn emulated_gated<T: TestDtype>() {
+    let mut rng = Rng::fresh(&format!("gated_emulator_{}", T::NAME));
     let emu = Emulator::new();
     let (rows, d) = (9, 24);
-    let ab: Vec<bf16> = rng.vec(rows * 2 * d, -4.0, 4.0);
-    let dh: Vec<bf16> = rng.vec(rows * d, -1.0, 1.0);
+    let ab: Vec<T> = rng.vec(rows * 2 * d, -4.0, 4.0);
+    let dh: Vec<T> = rng.vec(rows * d, -1.0, 1.0);
     let abv = Rows::new(&ab[..], rows, 2 * d).unwrap();
     let a = Rows::with_stride(&ab[..], rows, d, 2 * d).unwrap();
     let b = Rows::with_stride(&ab[d..], rows, d, 2 * d).unwrap();
     for act in ALL {
-        let mut h = vec![bf16::poison(); rows * d];
+        let mut h = vec![T::poison(); rows * d];
         emu.gated_forward(act, &a, &b, &mut Rows::new(&mut h[..], rows, d).unwrap())
             .unwrap();
-        let mut dab = vec![bf16::poison(); rows * 2 * d];
+        let mut dab = vec![T::poison(); rows * 2 * d];
         emu.gated_backward_packed(
             act,
             &Rows::new(&dh[..], rows, d).unwrap(),
@@ -317,22 +316,22 @@ fn emulator_gated_packed_and_separate() {
                 db_ref.push(g * reference::apply(act, av));
             }
         }
-        let (rel, abs) = bf16::TOLERANCE;
-        assert_close::<bf16>(
+        let (rel, abs) = T::TOLERANCE;
+        assert_close::<T>(
             &format!("{act:?} gated h"),
             &to_f64(&h),
             &h_ref,
             rel,
             abs * rms(&h_ref),
         );
-        assert_close::<bf16>(
+        assert_close::<T>(
             &format!("{act:?} gated da"),
             &gather_rows(&dab, rows, d, 2 * d),
             &da_ref,
             rel,
             abs * rms(&da_ref),
         );
-        assert_close::<bf16>(
+        assert_close::<T>(
             &format!("{act:?} gated db"),
             &gather_rows(&dab[d..], rows, d, 2 * d),
             &db_ref,
@@ -340,6 +339,19 @@ fn emulator_gated_packed_and_separate() {
             abs * rms(&db_ref),
         );
     }
+}
+
+#[test]
+fn emulator_gated_matches_reference_f32() {
+    emulated_gated::<f32>();
+}
+#[test]
+fn emulator_gated_matches_reference_f16() {
+    emulated_gated::<f16>();
+}
+#[test]
+fn emulator_gated_matches_reference_bf16() {
+    emulated_gated::<bf16>();
 }
 
 #[test]
