@@ -29,7 +29,7 @@
 //! ```
 //!
 //! Every call validates shapes, lengths, eps and contexts first and returns [`Error`] without
-//! touching any output when something is wrong. Calls enqueue work and return: no allocation, no
+//! touching any output when something is wrong. Calls enqueue work and return: no device allocation, no
 //! synchronization, so they can be captured in CUDA graphs. [`Emulator`] runs the same kernels on
 //! the CPU over host slices.
 

@@ -4,7 +4,7 @@
 //! The forward saves one fp32 `rstd` per row; the backward recomputes `x̂` from `x` and that
 //! `rstd`. dγ goes through an explicit fp32 workspace of [`workspace_len`] elements (one partial
 //! row per group of consecutive rows, summed in a fixed order), so it is bitwise reproducible on
-//! any grid and any GPU. Nothing is allocated and nothing synchronizes inside a call.
+//! any grid and any GPU. No device memory is allocated and nothing synchronizes inside a call.
 
 use cudarc::driver::{
     CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice,

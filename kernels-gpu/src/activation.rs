@@ -15,7 +15,7 @@
 use core::f32::consts::{FRAC_1_SQRT_2, LOG2_E};
 
 use crate::arch;
-use crate::element::{Access, Element, Pack, store_f32s};
+use crate::element::{Access, Element, Pack, row_addr, store_f32s};
 use crate::variant::{act, export_activation_family};
 
 /// `1/sqrt(2π)`.
@@ -170,9 +170,17 @@ pub struct Params {
     pub groups: u32,
 }
 
-#[inline(always)]
-fn at<T: Element>(base: u64, stride: u64, row: usize) -> u64 {
-    base + row as u64 * stride * T::BYTES as u64
+impl Params {
+    /// Address of row `row` of input `k`.
+    #[inline(always)]
+    fn input_row<T: Element>(&self, k: usize, row: usize) -> u64 {
+        row_addr::<T>(self.inputs[k], row, self.input_strides[k])
+    }
+    /// Address of row `row` of output `k`.
+    #[inline(always)]
+    fn output_row<T: Element>(&self, k: usize, row: usize) -> u64 {
+        row_addr::<T>(self.outputs[k], row, self.output_strides[k])
+    }
 }
 
 /// Calls `f(row, first_element)` for every access of the `rows × d` grid, spread over all threads
@@ -201,15 +209,12 @@ fn for_each_access<T: Element, const VEC: bool>(p: &Params, mut f: impl FnMut(us
 pub unsafe fn forward<T: Element, const VEC: bool, const ACT: u32>(p: &Params) {
     let len = Access::<T, VEC>::LEN;
     for_each_access::<T, VEC>(p, |row, col| {
-        let x =
-            unsafe { Access::<T, VEC>::load(at::<T>(p.inputs[0], p.input_strides[0], row), col) };
+        let x = unsafe { Access::<T, VEC>::load(p.input_row::<T>(0, row), col) };
         let mut y: Pack = [0; 4];
         for i in 0..len {
             T::set(&mut y, i, apply::<ACT>(T::get(&x, i)));
         }
-        unsafe {
-            Access::<T, VEC>::store(at::<T>(p.outputs[0], p.output_strides[0], row), col, &y)
-        };
+        unsafe { Access::<T, VEC>::store(p.output_row::<T>(0, row), col, &y) };
     });
 }
 
@@ -221,17 +226,13 @@ pub unsafe fn forward<T: Element, const VEC: bool, const ACT: u32>(p: &Params) {
 pub unsafe fn backward<T: Element, const VEC: bool, const ACT: u32>(p: &Params) {
     let len = Access::<T, VEC>::LEN;
     for_each_access::<T, VEC>(p, |row, col| {
-        let dy =
-            unsafe { Access::<T, VEC>::load(at::<T>(p.inputs[0], p.input_strides[0], row), col) };
-        let pre =
-            unsafe { Access::<T, VEC>::load(at::<T>(p.inputs[1], p.input_strides[1], row), col) };
+        let dy = unsafe { Access::<T, VEC>::load(p.input_row::<T>(0, row), col) };
+        let pre = unsafe { Access::<T, VEC>::load(p.input_row::<T>(1, row), col) };
         let mut dx: Pack = [0; 4];
         for i in 0..len {
             T::set(&mut dx, i, T::get(&dy, i) * grad::<ACT>(T::get(&pre, i)));
         }
-        unsafe {
-            Access::<T, VEC>::store(at::<T>(p.outputs[0], p.output_strides[0], row), col, &dx)
-        };
+        unsafe { Access::<T, VEC>::store(p.output_row::<T>(0, row), col, &dx) };
     });
 }
 
@@ -263,18 +264,10 @@ pub unsafe fn backward_dbias<T: Element, const VEC: bool, const ACT: u32>(p: &Pa
                 let mut pre: [Pack; DBIAS_ROWS_IN_FLIGHT] = [[0; 4]; DBIAS_ROWS_IN_FLIGHT];
                 for r in 0..DBIAS_ROWS_IN_FLIGHT {
                     if row + r < end {
-                        dy[r] = unsafe {
-                            Access::<T, VEC>::load(
-                                at::<T>(p.inputs[0], p.input_strides[0], row + r),
-                                col,
-                            )
-                        };
-                        pre[r] = unsafe {
-                            Access::<T, VEC>::load(
-                                at::<T>(p.inputs[1], p.input_strides[1], row + r),
-                                col,
-                            )
-                        };
+                        dy[r] =
+                            unsafe { Access::<T, VEC>::load(p.input_row::<T>(0, row + r), col) };
+                        pre[r] =
+                            unsafe { Access::<T, VEC>::load(p.input_row::<T>(1, row + r), col) };
                     }
                 }
                 for r in 0..DBIAS_ROWS_IN_FLIGHT {
@@ -285,7 +278,7 @@ pub unsafe fn backward_dbias<T: Element, const VEC: bool, const ACT: u32>(p: &Pa
                             T::set(&mut dx, i, v);
                             dbias[i] += v;
                         }
-                        let out = at::<T>(p.outputs[0], p.output_strides[0], row + r);
+                        let out = p.output_row::<T>(0, row + r);
                         unsafe { Access::<T, VEC>::store(out, col, &dx) };
                     }
                 }
@@ -305,17 +298,13 @@ pub unsafe fn backward_dbias<T: Element, const VEC: bool, const ACT: u32>(p: &Pa
 pub unsafe fn gated_forward<T: Element, const VEC: bool, const ACT: u32>(p: &Params) {
     let len = Access::<T, VEC>::LEN;
     for_each_access::<T, VEC>(p, |row, col| {
-        let a =
-            unsafe { Access::<T, VEC>::load(at::<T>(p.inputs[0], p.input_strides[0], row), col) };
-        let b =
-            unsafe { Access::<T, VEC>::load(at::<T>(p.inputs[1], p.input_strides[1], row), col) };
+        let a = unsafe { Access::<T, VEC>::load(p.input_row::<T>(0, row), col) };
+        let b = unsafe { Access::<T, VEC>::load(p.input_row::<T>(1, row), col) };
         let mut h: Pack = [0; 4];
         for i in 0..len {
             T::set(&mut h, i, apply::<ACT>(T::get(&a, i)) * T::get(&b, i));
         }
-        unsafe {
-            Access::<T, VEC>::store(at::<T>(p.outputs[0], p.output_strides[0], row), col, &h)
-        };
+        unsafe { Access::<T, VEC>::store(p.output_row::<T>(0, row), col, &h) };
     });
 }
 
@@ -326,24 +315,17 @@ pub unsafe fn gated_forward<T: Element, const VEC: bool, const ACT: u32>(p: &Par
 pub unsafe fn gated_backward<T: Element, const VEC: bool, const ACT: u32>(p: &Params) {
     let len = Access::<T, VEC>::LEN;
     for_each_access::<T, VEC>(p, |row, col| {
-        let dh =
-            unsafe { Access::<T, VEC>::load(at::<T>(p.inputs[0], p.input_strides[0], row), col) };
-        let a =
-            unsafe { Access::<T, VEC>::load(at::<T>(p.inputs[1], p.input_strides[1], row), col) };
-        let b =
-            unsafe { Access::<T, VEC>::load(at::<T>(p.inputs[2], p.input_strides[2], row), col) };
+        let dh = unsafe { Access::<T, VEC>::load(p.input_row::<T>(0, row), col) };
+        let a = unsafe { Access::<T, VEC>::load(p.input_row::<T>(1, row), col) };
+        let b = unsafe { Access::<T, VEC>::load(p.input_row::<T>(2, row), col) };
         let (mut da, mut db): (Pack, Pack) = ([0; 4], [0; 4]);
         for i in 0..len {
             let (dh_i, a_i) = (T::get(&dh, i), T::get(&a, i));
             T::set(&mut da, i, dh_i * T::get(&b, i) * grad::<ACT>(a_i));
             T::set(&mut db, i, dh_i * apply::<ACT>(a_i));
         }
-        unsafe {
-            Access::<T, VEC>::store(at::<T>(p.outputs[0], p.output_strides[0], row), col, &da)
-        };
-        unsafe {
-            Access::<T, VEC>::store(at::<T>(p.outputs[1], p.output_strides[1], row), col, &db)
-        };
+        unsafe { Access::<T, VEC>::store(p.output_row::<T>(0, row), col, &da) };
+        unsafe { Access::<T, VEC>::store(p.output_row::<T>(1, row), col, &db) };
     });
 }
 

@@ -96,6 +96,12 @@ macro_rules! half_element {
 half_element!(F16, arch::f16_to_f32, arch::f32_to_f16);
 half_element!(Bf16, arch::bf16_to_f32, arch::f32_to_bf16);
 
+/// Address of row `row` of rows laid `stride` elements apart from `base`.
+#[inline(always)]
+pub fn row_addr<T: Element>(base: u64, row: usize, stride: u64) -> u64 {
+    base + row as u64 * stride * T::BYTES as u64
+}
+
 /// How a kernel walks a row: `VEC` packs of 16 bytes (the fast path: all pointers 16-byte
 /// aligned, strides and `d` multiples of the pack) or single elements (any layout).
 #[derive(Clone, Copy)]

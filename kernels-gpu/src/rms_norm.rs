@@ -14,7 +14,7 @@
 //! reads the row twice — the second read mostly hits L2.
 
 use crate::arch;
-use crate::element::{Access, Element, Pack, load_f32s, store_f32s};
+use crate::element::{Access, Element, Pack, load_f32s, row_addr, store_f32s};
 use crate::reduce::BlockReducer;
 use crate::variant::export_family;
 
@@ -55,11 +55,6 @@ pub struct BackwardParams {
     pub groups: u32,
     pub inv_d: f32,
     pub _pad: u32,
-}
-
-#[inline(always)]
-fn row_addr<T: Element>(base: u64, row: usize, stride: u64) -> u64 {
-    base + row as u64 * stride * T::BYTES as u64
 }
 
 /// The forward; launch one block per row, any grid (blocks walk rows by grid stride).

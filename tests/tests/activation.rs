@@ -303,40 +303,17 @@ fn emulated_gated<T: TestDtype>() {
             &mut Rows::new(&mut dab[..], rows, 2 * d).unwrap(),
         )
         .unwrap();
-        let (mut h_ref, mut da_ref, mut db_ref) = (vec![], vec![], vec![]);
-        for r in 0..rows {
-            for j in 0..d {
-                let (av, bv, g) = (
-                    ab[r * 2 * d + j].to_f64(),
-                    ab[r * 2 * d + d + j].to_f64(),
-                    dh[r * d + j].to_f64(),
-                );
-                h_ref.push(reference::apply(act, av) * bv);
-                da_ref.push(g * bv * reference::grad(act, av));
-                db_ref.push(g * reference::apply(act, av));
-            }
-        }
-        let (rel, abs) = T::TOLERANCE;
-        assert_close::<T>(
-            &format!("{act:?} gated h"),
-            &to_f64(&h),
-            &h_ref,
-            rel,
-            abs * rms(&h_ref),
-        );
-        assert_close::<T>(
-            &format!("{act:?} gated da"),
-            &gather_rows(&dab, rows, d, 2 * d),
-            &da_ref,
-            rel,
-            abs * rms(&da_ref),
-        );
-        assert_close::<T>(
-            &format!("{act:?} gated db"),
-            &gather_rows(&dab[d..], rows, d, 2 * d),
-            &db_ref,
-            rel,
-            abs * rms(&db_ref),
+        check_gated(
+            act,
+            &ab,
+            &dh,
+            rows,
+            d,
+            [
+                &to_f64(&h),
+                &gather_rows(&dab, rows, d, 2 * d),
+                &gather_rows(&dab[d..], rows, d, 2 * d),
+            ],
         );
     }
 }
@@ -639,40 +616,47 @@ fn gpu_gated_packed_and_separate_agree_with_reference() {
                 && same_bits(&gather_bits(&dab, rows, d, 2 * d, d), &db),
             "{act:?}: packed and separate backward differ"
         );
-        let (mut h_ref, mut da_ref, mut db_ref) = (vec![], vec![], vec![]);
-        for r in 0..rows {
-            for j in 0..d {
-                let (av, bv, g) = (
-                    ab[r * 2 * d + j].to_f64(),
-                    ab[r * 2 * d + d + j].to_f64(),
-                    dh[r * d + j].to_f64(),
-                );
-                h_ref.push(reference::apply(act, av) * bv);
-                da_ref.push(g * bv * reference::grad(act, av));
-                db_ref.push(g * reference::apply(act, av));
-            }
+        check_gated(
+            act,
+            &ab,
+            &dh,
+            rows,
+            d,
+            [&to_f64(&h), &to_f64(&da), &to_f64(&db)],
+        );
+    }
+}
+
+/// Checks `[h, da, db]` of a gated op on packed `ab` (`rows × 2d`) and `dh` against the reference.
+fn check_gated<T: TestDtype>(
+    act: Activation,
+    ab: &[T],
+    dh: &[T],
+    rows: usize,
+    d: usize,
+    got: [&[f64]; 3],
+) {
+    let mut want = [vec![], vec![], vec![]];
+    for r in 0..rows {
+        for j in 0..d {
+            let (a, b, g) = (
+                ab[r * 2 * d + j].to_f64(),
+                ab[r * 2 * d + d + j].to_f64(),
+                dh[r * d + j].to_f64(),
+            );
+            want[0].push(reference::apply(act, a) * b);
+            want[1].push(g * b * reference::grad(act, a));
+            want[2].push(g * reference::apply(act, a));
         }
-        let (rel, abs) = bf16::TOLERANCE;
-        assert_close::<bf16>(
-            &format!("{act:?} gated h"),
-            &to_f64(&h),
-            &h_ref,
+    }
+    let (rel, abs) = T::TOLERANCE;
+    for ((name, got), want) in ["h", "da", "db"].iter().zip(got).zip(&want) {
+        assert_close::<T>(
+            &format!("{act:?} gated {name} [{}]", T::NAME),
+            got,
+            want,
             rel,
-            abs * rms(&h_ref),
-        );
-        assert_close::<bf16>(
-            &format!("{act:?} gated da"),
-            &to_f64(&da),
-            &da_ref,
-            rel,
-            abs * rms(&da_ref),
-        );
-        assert_close::<bf16>(
-            &format!("{act:?} gated db"),
-            &to_f64(&db),
-            &db_ref,
-            rel,
-            abs * rms(&db_ref),
+            abs * rms(want),
         );
     }
 }
