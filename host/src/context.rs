@@ -23,7 +23,12 @@ const PTX: [(u32, &str); 2] = [
 ];
 
 /// Kernel families compiled per [`Variant`], and those compiled once per dtype.
-const VARIANT_FAMILIES: [&str; 2] = ["rms_norm_fwd", "rms_norm_bwd"];
+const VARIANT_FAMILIES: [&str; 4] = [
+    "rms_norm_fwd",
+    "rms_norm_bwd",
+    "layer_norm_fwd",
+    "layer_norm_bwd",
+];
 const DTYPE_FAMILIES: [&str; 1] = ["column_sum"];
 const DTYPES: [Dtype; 3] = [Dtype::F32, Dtype::F16, Dtype::Bf16];
 
@@ -201,8 +206,8 @@ impl Executor for Gpu<'_> {
             shared_mem_bytes: shape.shared_bytes as u32,
         };
         match kernel {
-            Kernel::RmsNormForward(_, p) => launch_one(f, self.stream, cfg, *p),
-            Kernel::RmsNormBackward(_, p) => launch_one(f, self.stream, cfg, *p),
+            Kernel::NormForward(_, _, p) => launch_one(f, self.stream, cfg, *p),
+            Kernel::NormBackward(_, _, p) => launch_one(f, self.stream, cfg, *p),
             Kernel::ColumnSum(_, p) => launch_one(f, self.stream, cfg, *p),
             Kernel::Activation(_, _, p) => launch_one(f, self.stream, cfg, *p),
         }

@@ -4,7 +4,7 @@
 //! is slow (thousands of OS threads per launch), so keep shapes small.
 
 use normkern_gpu::arch::emu;
-use normkern_gpu::{activation, reduce, rms_norm};
+use normkern_gpu::{activation, norm, reduce};
 
 use crate::error::{Error, Result};
 use crate::launch::{Executor, Kernel, Shape};
@@ -66,12 +66,12 @@ impl Executor for Emulator {
         };
         // SAFETY (each arm): the op that built the parameters validated every buffer against them.
         match *kernel {
-            Kernel::RmsNormForward(v, p) => {
-                let body = rms_norm::forward_body(v);
+            Kernel::NormForward(n, v, p) => {
+                let body = norm::forward_body(n, v);
                 run(&|| unsafe { body(&p) })
             }
-            Kernel::RmsNormBackward(v, p) => {
-                let body = rms_norm::backward_body(v);
+            Kernel::NormBackward(n, v, p) => {
+                let body = norm::backward_body(n, v);
                 run(&|| unsafe { body(&p) })
             }
             Kernel::ColumnSum(dt, p) => {

@@ -2,8 +2,8 @@
 //! tiled over a block, how rows form dγ groups, and the executors (GPU or CPU emulator).
 
 use normkern_gpu::activation;
+use normkern_gpu::norm::{self, Norm};
 use normkern_gpu::reduce::{self, ColumnSumParams};
-use normkern_gpu::rms_norm;
 use normkern_gpu::variant::{ActVariant, Dtype, EntryName, STREAM, Variant};
 
 use crate::error::{Error, Result};
@@ -11,8 +11,8 @@ use crate::error::{Error, Result};
 /// One kernel launch, with its parameters: the single description both executors consume.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Kernel {
-    RmsNormForward(Variant, rms_norm::ForwardParams),
-    RmsNormBackward(Variant, rms_norm::BackwardParams),
+    NormForward(Norm, Variant, norm::ForwardParams),
+    NormBackward(Norm, Variant, norm::BackwardParams),
     ColumnSum(Dtype, ColumnSumParams),
     Activation(activation::Family, ActVariant, activation::Params),
 }
@@ -20,8 +20,8 @@ pub(crate) enum Kernel {
 impl Kernel {
     pub(crate) fn entry_name(&self) -> EntryName {
         match self {
-            Kernel::RmsNormForward(v, _) => v.entry_name("rms_norm_fwd"),
-            Kernel::RmsNormBackward(v, _) => v.entry_name("rms_norm_bwd"),
+            Kernel::NormForward(n, v, _) => v.entry_name(n.families().0),
+            Kernel::NormBackward(n, v, _) => v.entry_name(n.families().1),
             Kernel::ColumnSum(dt, _) => EntryName::new("column_sum", *dt),
             Kernel::Activation(family, v, _) => v.entry_name(family.prefix()),
         }

@@ -38,6 +38,8 @@ mod context;
 mod emulator;
 mod error;
 mod launch;
+pub mod layer_norm;
+mod norm;
 pub mod rms_norm;
 mod tensor;
 

@@ -2,7 +2,7 @@
 //! `cargo xtask build-ptx`; on the host the same bodies run in the CPU emulator ([`arch::emu`]).
 //!
 //! Layout: [`arch`] holds every intrinsic; [`reduce`] the warp/block sums and the fixed-order
-//! column sum; one module per op family ([`rms_norm`]) holds its launch parameters and bodies.
+//! column sum; one module per op family ([`norm`], [`activation`]) holds its launch parameters and bodies.
 //! Element storage and 16-byte access live in [`element`]; [`variant`] names compiled instances.
 #![cfg_attr(target_arch = "nvptx64", no_std)]
 #![cfg_attr(
@@ -24,6 +24,6 @@
 pub mod activation;
 pub mod arch;
 pub mod element;
+pub mod norm;
 pub mod reduce;
-pub mod rms_norm;
 pub mod variant;

@@ -2,4 +2,5 @@
 //! in its test file.
 
 pub mod activation;
+pub mod layer_norm;
 pub mod rms_norm;

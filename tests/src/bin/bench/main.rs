@@ -5,7 +5,7 @@
 //! minimal traffic (each input read once, each output written once).
 
 mod activation;
-mod rms_norm;
+mod norm;
 
 use normkern::Context;
 use normkern_tests::bench::copy_bandwidth;
@@ -50,7 +50,7 @@ fn main() {
     let name = ctx.cuda().name().unwrap_or_default();
     let copy = copy_bandwidth(ctx.cuda(), &stream, 50);
     let mut results = Vec::new();
-    results.extend(rms_norm::run(&ctx, &stream, &settings));
+    results.extend(norm::run(&ctx, &stream, &settings));
     results.extend(activation::run(&ctx, &stream, &settings));
     println!();
     println!(

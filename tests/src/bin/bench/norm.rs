@@ -1,10 +1,10 @@
-//! RMSNorm forward and backward.
+//! RMSNorm and LayerNorm (with bias), forward and backward.
 
 use std::sync::Arc;
 
 use half::bf16;
 use normkern::cudarc::driver::{CudaSlice, CudaStream};
-use normkern::{Context, Rows, rms_norm};
+use normkern::{Context, Rows, layer_norm, rms_norm};
 use normkern_tests::Rng;
 use normkern_tests::bench::median_us;
 
@@ -18,6 +18,7 @@ struct Set {
     dy: CudaSlice<bf16>,
     y: CudaSlice<bf16>,
     dx: CudaSlice<bf16>,
+    mean: CudaSlice<f32>,
     rstd: CudaSlice<f32>,
 }
 
@@ -46,12 +47,15 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
                 dy: stream.clone_htod(&host_dy).unwrap(),
                 y: stream.alloc_zeros(n).unwrap(),
                 dx: stream.alloc_zeros(n).unwrap(),
+                mean: stream.alloc_zeros(rows).unwrap(),
                 rstd: stream.alloc_zeros(rows).unwrap(),
             })
             .collect();
         let gamma = stream.clone_htod(&rng.vec::<bf16>(d, 0.5, 1.5)).unwrap();
+        let beta = stream.clone_htod(&rng.vec::<bf16>(d, -0.5, 0.5)).unwrap();
         let mut dgamma = stream.alloc_zeros::<bf16>(d).unwrap();
-        let mut ws = rms_norm::alloc_workspace(stream, rows, d).unwrap();
+        let mut dbeta = stream.alloc_zeros::<bf16>(d).unwrap();
+        let mut ws = layer_norm::alloc_workspace(stream, rows, d).unwrap();
         let mut sets = sets;
         let shape = format!("{rows}×{d}");
 
@@ -110,6 +114,71 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
             bytes: bwd_bytes,
         });
         eprintln!("rms_norm {rows}×{d}: fwd {fwd_us:.1} µs, bwd {bwd_us:.1} µs");
+
+        let fwd_us = median_us(ctx.cuda(), stream, s.warmup, s.reps, |i| {
+            let k = i % sets.len();
+            let Set {
+                x, y, mean, rstd, ..
+            } = &mut sets[k];
+            let beta = beta.as_view();
+            layer_norm::forward(
+                ctx,
+                stream,
+                &Rows::new(x.as_view(), rows, d).unwrap(),
+                &gamma.as_view(),
+                Some(&beta),
+                1e-6,
+                &mut Rows::new(y.as_view_mut(), rows, d).unwrap(),
+                Some(&mut mean.as_view_mut()),
+                Some(&mut rstd.as_view_mut()),
+            )
+            .unwrap();
+        });
+        // x read, y written, mean and rstd written, γ and β read.
+        let bytes = (2 * n * 2 + 2 * rows * 4 + 2 * d * 2) as f64;
+        out.push(Measurement {
+            op: "layer_norm fwd",
+            shape: format!("{rows}×{d}"),
+            dtype: "bf16",
+            us: fwd_us,
+            bytes,
+        });
+        let bwd_us = median_us(ctx.cuda(), stream, s.warmup, s.reps, |i| {
+            let k = i % sets.len();
+            let Set {
+                x,
+                dy,
+                dx,
+                mean,
+                rstd,
+                ..
+            } = &mut sets[k];
+            let mut dbeta = dbeta.as_view_mut();
+            layer_norm::backward(
+                ctx,
+                stream,
+                &Rows::new(dy.as_view(), rows, d).unwrap(),
+                &Rows::new(x.as_view(), rows, d).unwrap(),
+                &gamma.as_view(),
+                &mean.as_view(),
+                &rstd.as_view(),
+                &mut Rows::new(dx.as_view_mut(), rows, d).unwrap(),
+                &mut dgamma.as_view_mut(),
+                Some(&mut dbeta),
+                &mut ws.as_view_mut(),
+            )
+            .unwrap();
+        });
+        // x and dy read, dx written, mean, rstd and γ read, dγ and dβ written.
+        let bytes = (3 * n * 2 + 2 * rows * 4 + 3 * d * 2) as f64;
+        out.push(Measurement {
+            op: "layer_norm bwd",
+            shape: format!("{rows}×{d}"),
+            dtype: "bf16",
+            us: bwd_us,
+            bytes,
+        });
+        eprintln!("layer_norm {rows}×{d}: fwd {fwd_us:.1} µs, bwd {bwd_us:.1} µs");
     }
     out
 }

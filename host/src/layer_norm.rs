@@ -1,0 +1,256 @@
+//! LayerNorm: `y = (x − μ) · rstd · γ + β` with `μ = mean(x)`, `rstd = 1/sqrt(mean((x − μ)²) + eps)`
+//! per row (β optional), and its backward `dx = rstd · (dŷ − mean(dŷ) − x̂ · mean(dŷ · x̂))`,
+//! `dŷ = dy · γ`, `x̂ = (x − μ) · rstd`, `dγ = Σ_rows dy · x̂`, `dβ = Σ_rows dy`.
+//!
+//! The forward saves fp32 μ and rstd per row; the backward recomputes `x̂` from `x` and them. dγ
+//! and dβ come from the same pass over x and dy, through the same deterministic group partials and
+//! fixed-order column sum as RMSNorm (the kernels are the same bodies), in an explicit fp32
+//! workspace of [`workspace_len`] elements. No device memory is allocated and nothing synchronizes
+//! inside a call.
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice,
+};
+use normkern_gpu::norm::Norm;
+
+use crate::context::{Context, Gpu};
+use crate::emulator::Emulator;
+use crate::error::{Error, Result};
+use crate::launch::group_layout;
+use crate::norm::{Backward, Forward, validate_backward, validate_forward};
+use crate::tensor::{Dtype, Rows, RowsMut, RowsRef};
+
+/// f32 elements of workspace the backward needs for `rows × d` (room for dγ and dβ partials).
+pub fn workspace_len(rows: usize, d: usize) -> usize {
+    2 * group_layout(rows).1 * d
+}
+
+/// Allocates a workspace of [`workspace_len`] f32 on `stream` (outside any launch: do it once and
+/// reuse it for every backward of that shape or smaller).
+pub fn alloc_workspace(stream: &Arc<CudaStream>, rows: usize, d: usize) -> Result<CudaSlice<f32>> {
+    stream
+        .alloc_zeros::<f32>(workspace_len(rows, d).max(1))
+        .map_err(Error::driver("cuMemAlloc"))
+}
+
+/// Device address of an optional buffer (0 when absent) and the guard ordering it on `stream`.
+macro_rules! opt_ptr {
+    ($v:expr, $stream:expr, $method:ident) => {
+        match $v {
+            Some(v) => {
+                let (p, guard) = v.$method($stream);
+                (p, Some(guard))
+            }
+            None => (0, None),
+        }
+    };
+}
+
+/// LayerNorm forward on `stream`: writes `y` and, when given, `mean` and `rstd` (one f32 per row
+/// each, for the backward). `gamma` and `beta` (optional) have `d` elements.
+#[allow(clippy::too_many_arguments)]
+pub fn forward<T: Dtype>(
+    ctx: &Context,
+    stream: &CudaStream,
+    x: &RowsRef<'_, T>,
+    gamma: &CudaView<'_, T>,
+    beta: Option<&CudaView<'_, T>>,
+    eps: f32,
+    y: &mut RowsMut<'_, T>,
+    mean: Option<&mut CudaViewMut<'_, f32>>,
+    rstd: Option<&mut CudaViewMut<'_, f32>>,
+) -> Result<()> {
+    let stats = [
+        ("mean", mean.as_ref().map(|m| m.len())),
+        ("rstd", rstd.as_ref().map(|r| r.len())),
+    ];
+    validate_forward(x, gamma.len(), beta.map(|b| b.len()), eps, y, &stats)?;
+    ctx.check_context("stream", stream)?;
+    ctx.check_context("x", x.data.stream())?;
+    ctx.check_context("gamma", gamma.stream())?;
+    ctx.check_context("y", y.data.stream())?;
+    for (what, s) in [
+        ("beta", beta.map(|b| b.stream())),
+        ("mean", mean.as_ref().map(|m| m.stream())),
+        ("rstd", rstd.as_ref().map(|r| r.stream())),
+    ] {
+        if let Some(s) = s {
+            ctx.check_context(what, s)?;
+        }
+    }
+    let (x_ptr, _x) = x.data.device_ptr(stream);
+    let (gamma_ptr, _gamma) = gamma.device_ptr(stream);
+    let (beta_ptr, _beta) = opt_ptr!(beta, stream, device_ptr);
+    let (y_ptr, _y) = y.data.device_ptr_mut(stream);
+    let (mean_ptr, _mean) = opt_ptr!(mean, stream, device_ptr_mut);
+    let (rstd_ptr, _rstd) = opt_ptr!(rstd, stream, device_ptr_mut);
+    Forward {
+        norm: Norm::Layer,
+        dtype: T::KERNEL,
+        rows: x.rows,
+        d: x.d,
+        x: (x_ptr, x.stride),
+        y: (y_ptr, y.stride),
+        gamma: gamma_ptr,
+        beta: beta_ptr,
+        mean: mean_ptr,
+        rstd: rstd_ptr,
+        eps,
+    }
+    .run(&Gpu { ctx, stream })
+}
+
+/// LayerNorm backward on `stream`: writes `dx`, `dgamma` and, when given, `dbeta` from `dy`, `x`,
+/// `gamma` and the forward's `mean` and `rstd`, using `workspace` (at least [`workspace_len`] f32).
+/// With `rows == 0`, `dgamma` and `dbeta` are set to zero.
+#[allow(clippy::too_many_arguments)]
+pub fn backward<T: Dtype>(
+    ctx: &Context,
+    stream: &CudaStream,
+    dy: &RowsRef<'_, T>,
+    x: &RowsRef<'_, T>,
+    gamma: &CudaView<'_, T>,
+    mean: &CudaView<'_, f32>,
+    rstd: &CudaView<'_, f32>,
+    dx: &mut RowsMut<'_, T>,
+    dgamma: &mut CudaViewMut<'_, T>,
+    dbeta: Option<&mut CudaViewMut<'_, T>>,
+    workspace: &mut CudaViewMut<'_, f32>,
+) -> Result<()> {
+    validate_backward(
+        dy,
+        x,
+        dx,
+        &[
+            ("gamma", Some(gamma.len())),
+            ("dgamma", Some(dgamma.len())),
+            ("dbeta", dbeta.as_ref().map(|b| b.len())),
+        ],
+        &[("mean", Some(mean.len())), ("rstd", Some(rstd.len()))],
+        workspace.len(),
+        workspace_len(x.rows, x.d),
+    )?;
+    ctx.check_context("stream", stream)?;
+    for (what, s) in [
+        ("dy", dy.data.stream()),
+        ("x", x.data.stream()),
+        ("gamma", gamma.stream()),
+        ("mean", mean.stream()),
+        ("rstd", rstd.stream()),
+        ("dx", dx.data.stream()),
+        ("dgamma", dgamma.stream()),
+        ("workspace", workspace.stream()),
+    ] {
+        ctx.check_context(what, s)?;
+    }
+    if let Some(b) = &dbeta {
+        ctx.check_context("dbeta", b.stream())?;
+    }
+    let (dy_ptr, _dy) = dy.data.device_ptr(stream);
+    let (x_ptr, _x) = x.data.device_ptr(stream);
+    let (gamma_ptr, _gamma) = gamma.device_ptr(stream);
+    let (mean_ptr, _mean) = mean.device_ptr(stream);
+    let (rstd_ptr, _rstd) = rstd.device_ptr(stream);
+    let (dx_ptr, _dx) = dx.data.device_ptr_mut(stream);
+    let (dgamma_ptr, _dgamma) = dgamma.device_ptr_mut(stream);
+    let (dbeta_ptr, _dbeta) = opt_ptr!(dbeta, stream, device_ptr_mut);
+    let (ws_ptr, _ws) = workspace.device_ptr_mut(stream);
+    Backward {
+        norm: Norm::Layer,
+        dtype: T::KERNEL,
+        rows: x.rows,
+        d: x.d,
+        dy: (dy_ptr, dy.stride),
+        x: (x_ptr, x.stride),
+        dx: (dx_ptr, dx.stride),
+        gamma: gamma_ptr,
+        mean: mean_ptr,
+        rstd: rstd_ptr,
+        dgamma: dgamma_ptr,
+        dbeta: dbeta_ptr,
+        workspace: ws_ptr,
+    }
+    .run(&Gpu { ctx, stream })
+}
+
+impl Emulator {
+    /// [`forward`] on host memory, run by the CPU emulator.
+    #[allow(clippy::too_many_arguments)]
+    pub fn layer_norm_forward<T: Dtype>(
+        &self,
+        x: &Rows<&[T]>,
+        gamma: &[T],
+        beta: Option<&[T]>,
+        eps: f32,
+        y: &mut Rows<&mut [T]>,
+        mean: Option<&mut [f32]>,
+        rstd: Option<&mut [f32]>,
+    ) -> Result<()> {
+        let stats = [
+            ("mean", mean.as_ref().map(|m| m.len())),
+            ("rstd", rstd.as_ref().map(|r| r.len())),
+        ];
+        validate_forward(x, gamma.len(), beta.map(|b| b.len()), eps, y, &stats)?;
+        Forward {
+            norm: Norm::Layer,
+            dtype: T::KERNEL,
+            rows: x.rows,
+            d: x.d,
+            x: (x.data.as_ptr() as u64, x.stride),
+            y: (y.data.as_mut_ptr() as u64, y.stride),
+            gamma: gamma.as_ptr() as u64,
+            beta: beta.map_or(0, |b| b.as_ptr() as u64),
+            mean: mean.map_or(0, |m| m.as_mut_ptr() as u64),
+            rstd: rstd.map_or(0, |r| r.as_mut_ptr() as u64),
+            eps,
+        }
+        .run(self)
+    }
+
+    /// [`backward`] on host memory, run by the CPU emulator.
+    #[allow(clippy::too_many_arguments)]
+    pub fn layer_norm_backward<T: Dtype>(
+        &self,
+        dy: &Rows<&[T]>,
+        x: &Rows<&[T]>,
+        gamma: &[T],
+        mean: &[f32],
+        rstd: &[f32],
+        dx: &mut Rows<&mut [T]>,
+        dgamma: &mut [T],
+        dbeta: Option<&mut [T]>,
+        workspace: &mut [f32],
+    ) -> Result<()> {
+        validate_backward(
+            dy,
+            x,
+            dx,
+            &[
+                ("gamma", Some(gamma.len())),
+                ("dgamma", Some(dgamma.len())),
+                ("dbeta", dbeta.as_ref().map(|b| b.len())),
+            ],
+            &[("mean", Some(mean.len())), ("rstd", Some(rstd.len()))],
+            workspace.len(),
+            workspace_len(x.rows, x.d),
+        )?;
+        Backward {
+            norm: Norm::Layer,
+            dtype: T::KERNEL,
+            rows: x.rows,
+            d: x.d,
+            dy: (dy.data.as_ptr() as u64, dy.stride),
+            x: (x.data.as_ptr() as u64, x.stride),
+            dx: (dx.data.as_mut_ptr() as u64, dx.stride),
+            gamma: gamma.as_ptr() as u64,
+            mean: mean.as_ptr() as u64,
+            rstd: rstd.as_ptr() as u64,
+            dgamma: dgamma.as_mut_ptr() as u64,
+            dbeta: dbeta.map_or(0, |b| b.as_mut_ptr() as u64),
+            workspace: workspace.as_mut_ptr() as u64,
+        }
+        .run(self)
+    }
+}

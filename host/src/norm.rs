@@ -1,0 +1,201 @@
+//! What RMSNorm and LayerNorm share on the host: validation, launch planning and the two-pass
+//! dγ/dβ, over the shared kernel bodies of `normkern_gpu::norm`. The public functions live in
+//! [`crate::rms_norm`] and [`crate::layer_norm`].
+
+use normkern_gpu::norm::{BackwardParams, ForwardParams, Norm};
+use normkern_gpu::variant::{Dtype as KernelDtype, Variant};
+
+use crate::error::{Error, Result};
+use crate::launch::{
+    Executor, Kernel, ROW_KERNEL_SHARED_BYTES, Shape, check_eps, group_layout, launch_column_sum,
+    packs_fit, row_tile,
+};
+use crate::tensor::{Buffer, Rows, expect_len};
+
+/// A validated forward: addresses (host or device) and row strides of every operand; 0 for an
+/// operand that is absent (β, saved statistics).
+pub(crate) struct Forward {
+    pub norm: Norm,
+    pub dtype: KernelDtype,
+    pub rows: usize,
+    pub d: usize,
+    pub x: (u64, usize),
+    pub y: (u64, usize),
+    pub gamma: u64,
+    pub beta: u64,
+    pub mean: u64,
+    pub rstd: u64,
+    pub eps: f32,
+}
+
+/// A validated backward. `dbeta == 0`: no dβ. The workspace holds the dγ partials, then (with
+/// dβ) the dβ partials.
+pub(crate) struct Backward {
+    pub norm: Norm,
+    pub dtype: KernelDtype,
+    pub rows: usize,
+    pub d: usize,
+    pub dy: (u64, usize),
+    pub x: (u64, usize),
+    pub dx: (u64, usize),
+    pub gamma: u64,
+    pub mean: u64,
+    pub rstd: u64,
+    pub dgamma: u64,
+    pub dbeta: u64,
+    pub workspace: u64,
+}
+
+fn inv(d: usize) -> f32 {
+    (1.0f64 / d as f64) as f32
+}
+
+impl Forward {
+    pub(crate) fn run(self, exec: &dyn Executor) -> Result<()> {
+        let (rows, d, dtype) = (self.rows, self.d, self.dtype);
+        if rows == 0 {
+            return Ok(());
+        }
+        let mut addrs = vec![self.x.0, self.y.0, self.gamma];
+        addrs.extend((self.beta != 0).then_some(self.beta));
+        let vec = packs_fit(dtype.bytes(), d, &addrs, &[self.x.1, self.y.1]);
+        let params = ForwardParams {
+            x: self.x.0,
+            y: self.y.0,
+            gamma: self.gamma,
+            beta: self.beta,
+            mean: self.mean,
+            rstd: self.rstd,
+            x_stride: self.x.1 as u64,
+            y_stride: self.y.1 as u64,
+            rows: rows as u32,
+            d: d as u32,
+            eps: self.eps,
+            inv_d: inv(d),
+        };
+        let kernel = |vpt| Kernel::NormForward(self.norm, Variant { dtype, vec, vpt }, params);
+        let len = if vec { 16 / dtype.bytes() } else { 1 };
+        let tile = row_tile(d, len, |vpt| exec.max_threads(&kernel(vpt)))?;
+        let k = kernel(tile.vpt);
+        let grid = exec.persistent_grid(&k, rows, tile.threads, ROW_KERNEL_SHARED_BYTES)?;
+        exec.launch(
+            &k,
+            Shape {
+                grid,
+                block: tile.threads,
+                shared_bytes: ROW_KERNEL_SHARED_BYTES,
+            },
+        )
+    }
+}
+
+impl Backward {
+    /// The dx + partials kernel, then one fixed-order column sum per parameter gradient.
+    pub(crate) fn run(self, exec: &dyn Executor) -> Result<()> {
+        let (rows, d, dtype) = (self.rows, self.d, self.dtype);
+        let (rows_per_group, groups) = group_layout(rows);
+        let dbeta_partials = if self.dbeta != 0 {
+            self.workspace + (groups * d * 4) as u64
+        } else {
+            0
+        };
+        if rows > 0 {
+            // The workspace takes 16-byte stores on the packed path: it must be aligned like the rest.
+            let mut addrs = vec![self.dy.0, self.x.0, self.dx.0, self.gamma, self.workspace];
+            addrs.extend((dbeta_partials != 0).then_some(dbeta_partials));
+            let vec = packs_fit(dtype.bytes(), d, &addrs, &[self.dy.1, self.x.1, self.dx.1]);
+            let params = BackwardParams {
+                x: self.x.0,
+                dy: self.dy.0,
+                gamma: self.gamma,
+                mean: self.mean,
+                rstd: self.rstd,
+                dx: self.dx.0,
+                partials: self.workspace,
+                dbeta_partials,
+                x_stride: self.x.1 as u64,
+                dy_stride: self.dy.1 as u64,
+                dx_stride: self.dx.1 as u64,
+                rows: rows as u32,
+                d: d as u32,
+                rows_per_group: rows_per_group as u32,
+                groups: groups as u32,
+                inv_d: inv(d),
+                _pad: 0,
+            };
+            let kernel = |vpt| Kernel::NormBackward(self.norm, Variant { dtype, vec, vpt }, params);
+            let len = if vec { 16 / dtype.bytes() } else { 1 };
+            let tile = row_tile(d, len, |vpt| exec.max_threads(&kernel(vpt)))?;
+            let k = kernel(tile.vpt);
+            let grid = exec.persistent_grid(&k, groups, tile.threads, ROW_KERNEL_SHARED_BYTES)?;
+            exec.launch(
+                &k,
+                Shape {
+                    grid,
+                    block: tile.threads,
+                    shared_bytes: ROW_KERNEL_SHARED_BYTES,
+                },
+            )?;
+        }
+        launch_column_sum(exec, dtype, self.workspace, self.dgamma, groups, d)?;
+        if self.dbeta != 0 {
+            launch_column_sum(exec, dtype, dbeta_partials, self.dbeta, groups, d)?;
+        }
+        Ok(())
+    }
+}
+
+/// Shapes and lengths of a forward: `y` like `x`, `gamma` (and `beta`) of `d`, statistics of `rows`.
+pub(crate) fn validate_forward<X: Buffer, Y: Buffer>(
+    x: &Rows<X>,
+    gamma_len: usize,
+    beta_len: Option<usize>,
+    eps: f32,
+    y: &Rows<Y>,
+    stats: &[(&'static str, Option<usize>)],
+) -> Result<()> {
+    y.expect_shape("y", x.rows, x.d)?;
+    expect_len("gamma", gamma_len, x.d)?;
+    if let Some(n) = beta_len {
+        expect_len("beta", n, x.d)?;
+    }
+    for &(what, len) in stats {
+        if let Some(n) = len {
+            expect_len(what, n, x.rows)?;
+        }
+    }
+    check_eps(eps)
+}
+
+/// Shapes and lengths of a backward: `dy`, `dx` like `x`; `gamma`, `dgamma` (and `dbeta`) of `d`;
+/// statistics of `rows`; a workspace of at least `workspace_needed`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn validate_backward<DY: Buffer, X: Buffer, DX: Buffer>(
+    dy: &Rows<DY>,
+    x: &Rows<X>,
+    dx: &Rows<DX>,
+    params: &[(&'static str, Option<usize>)],
+    stats: &[(&'static str, Option<usize>)],
+    workspace_len: usize,
+    workspace_needed: usize,
+) -> Result<()> {
+    dy.expect_shape("dy", x.rows, x.d)?;
+    dx.expect_shape("dx", x.rows, x.d)?;
+    for &(what, len) in params {
+        if let Some(n) = len {
+            expect_len(what, n, x.d)?;
+        }
+    }
+    for &(what, len) in stats {
+        if let Some(n) = len {
+            expect_len(what, n, x.rows)?;
+        }
+    }
+    if workspace_len < workspace_needed {
+        return Err(Error::WorkspaceTooSmall {
+            needed: workspace_needed,
+            actual: workspace_len,
+        });
+    }
+    Ok(())
+}

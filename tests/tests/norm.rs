@@ -1,0 +1,974 @@
+//! RMSNorm and LayerNorm against the f64 reference: the references against finite differences,
+//! validation without a GPU, the kernels in the CPU emulator, and the kernels on the GPU (skipped
+//! with a printed reason when there is none).
+
+use std::sync::Arc;
+
+use half::{bf16, f16};
+use normkern::cudarc::driver::{CudaSlice, CudaStream};
+use normkern::{Context, Emulator, Error, Rows, layer_norm, rms_norm};
+use normkern_tests::reference::{layer_norm as layer_reference, rms_norm as reference};
+use normkern_tests::{
+    Rng, TestDtype, aligned_f32, assert_close, floats_mut, gather_rows, gpu, rms, same_bits, to_f64,
+};
+
+const EPS: f32 = 1e-5;
+
+/// Which norm a case runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Rms,
+    /// LayerNorm, with or without β (and so dβ).
+    Layer {
+        bias: bool,
+    },
+}
+
+const KINDS: [Kind; 3] = [
+    Kind::Rms,
+    Kind::Layer { bias: true },
+    Kind::Layer { bias: false },
+];
+
+/// One forward + backward problem: rows laid `stride` apart after `offset` leading elements (an
+/// offset of 1 breaks 16-byte alignment and forces the scalar path).
+struct Case<T> {
+    kind: Kind,
+    rows: usize,
+    d: usize,
+    stride: usize,
+    offset: usize,
+    x: Vec<T>,
+    dy: Vec<T>,
+    gamma: Vec<T>,
+    beta: Vec<T>,
+}
+
+/// What a run produced, outputs in their padded buffers; what a norm does not produce (mean and
+/// dβ of RMSNorm, dβ without bias) stays poison.
+struct Outputs<T> {
+    y: Vec<T>,
+    mean: Vec<f32>,
+    rstd: Vec<f32>,
+    dx: Vec<T>,
+    dgamma: Vec<T>,
+    dbeta: Vec<T>,
+}
+
+impl<T: TestDtype> PartialEq for Outputs<T> {
+    /// Bitwise, padding included.
+    fn eq(&self, other: &Self) -> bool {
+        same_bits(&self.y, &other.y)
+            && same_bits(&self.mean, &other.mean)
+            && same_bits(&self.rstd, &other.rstd)
+            && same_bits(&self.dx, &other.dx)
+            && same_bits(&self.dgamma, &other.dgamma)
+            && same_bits(&self.dbeta, &other.dbeta)
+    }
+}
+
+impl<T: TestDtype> Case<T> {
+    fn new(kind: Kind, rng: &mut Rng, rows: usize, d: usize, stride: usize, offset: usize) -> Self {
+        let n = offset + rows.saturating_sub(1) * stride + d;
+        Case {
+            kind,
+            rows,
+            d,
+            stride,
+            offset,
+            // Off-centre inputs, so LayerNorm's mean matters.
+            x: rng.vec(n, -1.0, 3.0),
+            dy: rng.vec(n, -1.0, 1.0),
+            gamma: rng.vec(d, 0.5, 1.5),
+            beta: rng.vec(d, -0.5, 0.5),
+        }
+    }
+
+    fn dense(kind: Kind, rng: &mut Rng, rows: usize, d: usize) -> Self {
+        Self::new(kind, rng, rows, d, d, 0)
+    }
+
+    fn len(&self) -> usize {
+        self.x.len()
+    }
+
+    fn workspace_len(&self) -> usize {
+        match self.kind {
+            Kind::Rms => rms_norm::workspace_len(self.rows, self.d),
+            Kind::Layer { .. } => layer_norm::workspace_len(self.rows, self.d),
+        }
+    }
+
+    fn poisoned(&self) -> Outputs<T> {
+        Outputs {
+            y: vec![T::poison(); self.len()],
+            mean: vec![f32::NAN; self.rows],
+            rstd: vec![f32::NAN; self.rows],
+            dx: vec![T::poison(); self.len()],
+            dgamma: vec![T::poison(); self.d],
+            dbeta: vec![T::poison(); self.d],
+        }
+    }
+
+    fn run_emulator(&self, emu: &Emulator) -> Outputs<T> {
+        let mut out = self.poisoned();
+        let (o, s, rows, d) = (self.offset, self.stride, self.rows, self.d);
+        let x = Rows::with_stride(&self.x[o..], rows, d, s).unwrap();
+        let dy = Rows::with_stride(&self.dy[o..], rows, d, s).unwrap();
+        let ws_len = self.workspace_len();
+        let mut ws = aligned_f32(ws_len);
+        let ws = floats_mut(&mut ws, ws_len);
+        let mut y = Rows::with_stride(&mut out.y[o..], rows, d, s).unwrap();
+        let mut dx = Rows::with_stride(&mut out.dx[o..], rows, d, s).unwrap();
+        match self.kind {
+            Kind::Rms => {
+                emu.rms_norm_forward(&x, &self.gamma, EPS, &mut y, Some(&mut out.rstd))
+                    .unwrap();
+                emu.rms_norm_backward(
+                    &dy,
+                    &x,
+                    &self.gamma,
+                    &out.rstd,
+                    &mut dx,
+                    &mut out.dgamma,
+                    ws,
+                )
+                .unwrap();
+            }
+            Kind::Layer { bias } => {
+                let beta = bias.then_some(&self.beta[..]);
+                emu.layer_norm_forward(
+                    &x,
+                    &self.gamma,
+                    beta,
+                    EPS,
+                    &mut y,
+                    Some(&mut out.mean),
+                    Some(&mut out.rstd),
+                )
+                .unwrap();
+                let dbeta = bias.then_some(&mut out.dbeta[..]);
+                emu.layer_norm_backward(
+                    &dy,
+                    &x,
+                    &self.gamma,
+                    &out.mean,
+                    &out.rstd,
+                    &mut dx,
+                    &mut out.dgamma,
+                    dbeta,
+                    ws,
+                )
+                .unwrap();
+            }
+        }
+        out
+    }
+
+    fn run_gpu(&self, ctx: &Context, stream: &Arc<CudaStream>) -> Outputs<T> {
+        let poison = self.poisoned();
+        let (o, s, rows, d) = (self.offset, self.stride, self.rows, self.d);
+        let up = |v: &[T]| stream.clone_htod(v).unwrap();
+        let up32 = |v: &[f32]| stream.clone_htod(v).unwrap();
+        let (x, dy, gamma, beta) = (up(&self.x), up(&self.dy), up(&self.gamma), up(&self.beta));
+        let (mut y, mut dx, mut dgamma, mut dbeta) = (
+            up(&poison.y),
+            up(&poison.dx),
+            up(&poison.dgamma),
+            up(&poison.dbeta),
+        );
+        let (mut mean, mut rstd) = (up32(&poison.mean), up32(&poison.rstd));
+        let mut ws = stream
+            .alloc_zeros::<f32>(self.workspace_len().max(1))
+            .unwrap();
+        let xv = Rows::with_stride(x.slice(o..), rows, d, s).unwrap();
+        let dyv = Rows::with_stride(dy.slice(o..), rows, d, s).unwrap();
+        let mut yv = Rows::with_stride(y.slice_mut(o..), rows, d, s).unwrap();
+        let mut dxv = Rows::with_stride(dx.slice_mut(o..), rows, d, s).unwrap();
+        match self.kind {
+            Kind::Rms => {
+                rms_norm::forward(
+                    ctx,
+                    stream,
+                    &xv,
+                    &gamma.as_view(),
+                    EPS,
+                    &mut yv,
+                    Some(&mut rstd.as_view_mut()),
+                )
+                .unwrap();
+                rms_norm::backward(
+                    ctx,
+                    stream,
+                    &dyv,
+                    &xv,
+                    &gamma.as_view(),
+                    &rstd.as_view(),
+                    &mut dxv,
+                    &mut dgamma.as_view_mut(),
+                    &mut ws.as_view_mut(),
+                )
+                .unwrap();
+            }
+            Kind::Layer { bias } => {
+                let beta_view = beta.as_view();
+                layer_norm::forward(
+                    ctx,
+                    stream,
+                    &xv,
+                    &gamma.as_view(),
+                    bias.then_some(&beta_view),
+                    EPS,
+                    &mut yv,
+                    Some(&mut mean.as_view_mut()),
+                    Some(&mut rstd.as_view_mut()),
+                )
+                .unwrap();
+                let mut dbeta_view = dbeta.as_view_mut();
+                layer_norm::backward(
+                    ctx,
+                    stream,
+                    &dyv,
+                    &xv,
+                    &gamma.as_view(),
+                    &mean.as_view(),
+                    &rstd.as_view(),
+                    &mut dxv,
+                    &mut dgamma.as_view_mut(),
+                    bias.then_some(&mut dbeta_view),
+                    &mut ws.as_view_mut(),
+                )
+                .unwrap();
+            }
+        }
+        stream.synchronize().unwrap();
+        let down = |v: &CudaSlice<T>| stream.clone_dtoh(v).unwrap();
+        let down32 = |v: &CudaSlice<f32>| stream.clone_dtoh(v).unwrap();
+        Outputs {
+            y: down(&y),
+            mean: down32(&mean),
+            rstd: down32(&rstd),
+            dx: down(&dx),
+            dgamma: down(&dgamma),
+            dbeta: down(&dbeta),
+        }
+    }
+
+    /// Compares every output with the f64 reference and checks that nothing outside the rows
+    /// (leading offset, padding between rows) was written.
+    fn check(&self, out: &Outputs<T>, what: &str) {
+        let (rows, d, s, o) = (self.rows, self.d, self.stride, self.offset);
+        let what = format!(
+            "{what} {:?} {rows}×{d} stride {s} offset {o} {}",
+            self.kind,
+            T::NAME
+        );
+        let x = gather_rows(&self.x[o..], rows, d, s);
+        let dy = gather_rows(&self.dy[o..], rows, d, s);
+        let gamma = to_f64(&self.gamma);
+        let (y_ref, mean_ref, rstd_ref, dx_ref, dgamma_ref, dbeta_ref) = match self.kind {
+            Kind::Rms => {
+                let (y, rstd) = reference::forward(&x, &gamma, rows, d, EPS as f64);
+                let (dx, dgamma) = reference::backward(&dy, &x, &gamma, rows, d, EPS as f64);
+                (y, None, rstd, dx, dgamma, None)
+            }
+            Kind::Layer { bias } => {
+                let beta = to_f64(&self.beta);
+                let (y, mean, rstd) = layer_reference::forward(
+                    &x,
+                    &gamma,
+                    bias.then_some(&beta[..]),
+                    rows,
+                    d,
+                    EPS as f64,
+                );
+                let (dx, dgamma, dbeta) =
+                    layer_reference::backward(&dy, &x, &gamma, rows, d, EPS as f64);
+                (y, Some(mean), rstd, dx, dgamma, bias.then_some(dbeta))
+            }
+        };
+        let (rel, abs) = T::TOLERANCE;
+        let (rel32, abs32) = f32::TOLERANCE;
+        assert_close::<T>(
+            &format!("{what}: y"),
+            &gather_rows(&out.y[o..], rows, d, s),
+            &y_ref,
+            rel,
+            abs * rms(&y_ref),
+        );
+        let as_f64 = |v: &[f32]| v.iter().map(|&r| r as f64).collect::<Vec<f64>>();
+        assert_close::<f32>(
+            &format!("{what}: rstd"),
+            &as_f64(&out.rstd),
+            &rstd_ref,
+            rel32,
+            abs32 * rms(&rstd_ref),
+        );
+        if let Some(mean_ref) = mean_ref {
+            assert_close::<f32>(
+                &format!("{what}: mean"),
+                &as_f64(&out.mean),
+                &mean_ref,
+                rel32,
+                abs32 * rms(&x),
+            );
+        }
+        // dx = rstd·(dŷ − mean(dŷ) − x̂·mean(dŷ·x̂)) can cancel to far below its terms: judge it on their scale.
+        let term: Vec<f64> = (0..rows * d)
+            .map(|i| rstd_ref[i / d] * dy[i] * gamma[i % d])
+            .collect();
+        assert_close::<T>(
+            &format!("{what}: dx"),
+            &gather_rows(&out.dx[o..], rows, d, s),
+            &dx_ref,
+            rel,
+            abs * rms(&term),
+        );
+        // dγ and dβ sum `rows` products in f32: rounding grows like sqrt(rows) before the store.
+        let growth = 1.0 + (rows as f64).sqrt() * f32::EPSILON as f64 / rel;
+        let sqrt_rows = (rows as f64).sqrt();
+        let dgamma_scale = rms(&dgamma_ref).max(rms(&term) * sqrt_rows);
+        assert_close::<T>(
+            &format!("{what}: dgamma"),
+            &to_f64(&out.dgamma),
+            &dgamma_ref,
+            rel * growth,
+            abs * growth * dgamma_scale,
+        );
+        match dbeta_ref {
+            Some(dbeta_ref) => {
+                let scale = rms(&dbeta_ref).max(rms(&dy) * sqrt_rows);
+                assert_close::<T>(
+                    &format!("{what}: dbeta"),
+                    &to_f64(&out.dbeta),
+                    &dbeta_ref,
+                    rel * growth,
+                    abs * growth * scale,
+                );
+            }
+            None => assert!(
+                out.dbeta.iter().all(|v| v.bits() == T::poison().bits()),
+                "{what}: dbeta written without bias"
+            ),
+        }
+        let poison = T::poison();
+        for i in 0..self.len() {
+            let inside = i >= o && (i - o) % s < d && (i - o) / s < rows;
+            if !inside {
+                assert_eq!(
+                    out.y[i].bits(),
+                    poison.bits(),
+                    "{what}: y element {i} outside the rows was written"
+                );
+                assert_eq!(
+                    out.dx[i].bits(),
+                    poison.bits(),
+                    "{what}: dx element {i} outside the rows was written"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn reference_matches_finite_differences() {
+    let mut rng = Rng::fresh("reference_matches_finite_differences");
+    let (rows, d, eps) = (3, 7, 1e-3);
+    let x: Vec<f64> = (0..rows * d).map(|_| rng.uniform(-2.0, 2.0)).collect();
+    let gamma: Vec<f64> = (0..d).map(|_| rng.uniform(0.5, 1.5)).collect();
+    let dy: Vec<f64> = (0..rows * d).map(|_| rng.uniform(-1.0, 1.0)).collect();
+    // L = Σ dy ⊙ y, so ∂L/∂x and ∂L/∂γ are the backward's dx and dγ.
+    let loss = |x: &[f64], gamma: &[f64]| {
+        let (y, _) = reference::forward(x, gamma, rows, d, eps);
+        y.iter().zip(&dy).map(|(a, b)| a * b).sum::<f64>()
+    };
+    let (dx, dgamma) = reference::backward(&dy, &x, &gamma, rows, d, eps);
+    let h = 1e-6;
+    for i in 0..rows * d {
+        let (mut xp, mut xm) = (x.clone(), x.clone());
+        xp[i] += h;
+        xm[i] -= h;
+        let numeric = (loss(&xp, &gamma) - loss(&xm, &gamma)) / (2.0 * h);
+        assert!(
+            (numeric - dx[i]).abs() < 1e-6 * (1.0 + dx[i].abs()),
+            "dx[{i}]: {numeric} vs {}",
+            dx[i]
+        );
+    }
+    for j in 0..d {
+        let (mut gp, mut gm) = (gamma.clone(), gamma.clone());
+        gp[j] += h;
+        gm[j] -= h;
+        let numeric = (loss(&x, &gp) - loss(&x, &gm)) / (2.0 * h);
+        assert!(
+            (numeric - dgamma[j]).abs() < 1e-6 * (1.0 + dgamma[j].abs()),
+            "dgamma[{j}]: {numeric} vs {}",
+            dgamma[j]
+        );
+    }
+}
+
+#[test]
+fn layer_norm_reference_matches_finite_differences() {
+    let mut rng = Rng::fresh("layer_norm_reference_matches_finite_differences");
+    let (rows, d, eps) = (3, 7, 1e-3);
+    let x: Vec<f64> = (0..rows * d).map(|_| rng.uniform(-1.0, 3.0)).collect();
+    let gamma: Vec<f64> = (0..d).map(|_| rng.uniform(0.5, 1.5)).collect();
+    let beta: Vec<f64> = (0..d).map(|_| rng.uniform(-0.5, 0.5)).collect();
+    let dy: Vec<f64> = (0..rows * d).map(|_| rng.uniform(-1.0, 1.0)).collect();
+    // L = Σ dy ⊙ y, so ∂L/∂x, ∂L/∂γ and ∂L/∂β are the backward's dx, dγ and dβ.
+    let loss = |x: &[f64], gamma: &[f64], beta: &[f64]| {
+        let (y, _, _) = layer_reference::forward(x, gamma, Some(beta), rows, d, eps);
+        y.iter().zip(&dy).map(|(a, b)| a * b).sum::<f64>()
+    };
+    let (dx, dgamma, dbeta) = layer_reference::backward(&dy, &x, &gamma, rows, d, eps);
+    let h = 1e-6;
+    let numeric = |which: usize, i: usize| {
+        let mut args = [x.clone(), gamma.clone(), beta.clone()];
+        args[which][i] += h;
+        let plus = loss(&args[0], &args[1], &args[2]);
+        args[which][i] -= 2.0 * h;
+        (plus - loss(&args[0], &args[1], &args[2])) / (2.0 * h)
+    };
+    for (which, analytic) in [(0, &dx), (1, &dgamma), (2, &dbeta)] {
+        for (i, a) in analytic.iter().enumerate() {
+            let n = numeric(which, i);
+            assert!(
+                (n - a).abs() < 1e-6 * (1.0 + a.abs()),
+                "gradient {which}[{i}]: {n} vs {a}"
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation: shared by the GPU and the emulator, so these run everywhere.
+
+#[test]
+fn bad_views_are_rejected() {
+    let buf = [bf16::ONE; 100];
+    assert!(matches!(
+        Rows::new(&buf[..], 10, 0),
+        Err(Error::EmptyRow { .. })
+    ));
+    assert!(matches!(
+        Rows::with_stride(&buf[..], 10, 10, 9),
+        Err(Error::StrideTooSmall {
+            stride: 9,
+            d: 10,
+            ..
+        })
+    ));
+    assert!(matches!(
+        Rows::new(&buf[..], 11, 10),
+        Err(Error::Length {
+            expected: 110,
+            actual: 100,
+            ..
+        })
+    ));
+    assert!(matches!(
+        Rows::with_stride(&buf[..], 10, 8, 11),
+        Err(Error::Length { expected: 107, .. })
+    ));
+    assert!(
+        Rows::with_stride(&buf[..], 10, 1, 11).is_ok(),
+        "the last row needs only d elements"
+    );
+    assert!(
+        Rows::new(&buf[..], 0, 10).is_ok(),
+        "zero rows is a valid, empty view"
+    );
+    assert!(matches!(
+        Emulator::new().with_grid_limit(0),
+        Err(Error::ZeroGrid)
+    ));
+}
+
+#[test]
+fn bad_arguments_are_rejected_before_anything_is_written() {
+    let mut rng = Rng::fresh("bad_arguments");
+    let (rows, d) = (4, 16);
+    let case = Case::<f32>::dense(Kind::Rms, &mut rng, rows, d);
+    let emu = Emulator::new();
+    let mut out = case.poisoned();
+    let x = Rows::new(&case.x[..], rows, d).unwrap();
+    let gamma = &case.gamma[..];
+    let mut rstd = vec![f32::NAN; rows];
+
+    let forward =
+        |gamma: &[f32], eps: f32, y: &mut [f32], y_rows: usize, rstd: Option<&mut [f32]>| {
+            let mut y = Rows::new(y, y_rows, d).unwrap();
+            emu.rms_norm_forward(&x, gamma, eps, &mut y, rstd)
+        };
+    for eps in [0.0, -1e-5, f32::NAN, f32::INFINITY] {
+        assert!(
+            matches!(
+                forward(gamma, eps, &mut out.y, rows, None),
+                Err(Error::Eps(_))
+            ),
+            "eps {eps}"
+        );
+    }
+    assert!(matches!(
+        forward(&gamma[1..], EPS, &mut out.y, rows, None),
+        Err(Error::Length { what: "gamma", .. })
+    ));
+    assert!(matches!(
+        forward(gamma, EPS, &mut out.y, rows - 1, None),
+        Err(Error::Shape { what: "y", .. })
+    ));
+    assert!(matches!(
+        forward(gamma, EPS, &mut out.y, rows, Some(&mut rstd[1..])),
+        Err(Error::Length { what: "rstd", .. })
+    ));
+    assert!(
+        out.y.iter().all(|v| v.is_nan()) && rstd.iter().all(|v| v.is_nan()),
+        "a rejected call wrote output"
+    );
+
+    let dy = Rows::new(&case.dy[..], rows, d).unwrap();
+    let ws_len = rms_norm::workspace_len(rows, d);
+    let mut ws = aligned_f32(ws_len);
+    let rstd = vec![0.5f32; rows];
+    let mut backward =
+        |dy_rows: usize, gamma: &[f32], rstd: &[f32], dgamma_len: usize, ws_len: usize| {
+            let dy = Rows::new(&case.dy[..dy_rows * d], dy_rows, d).unwrap();
+            let mut dx = Rows::new(&mut out.dx[..], rows, d).unwrap();
+            emu.rms_norm_backward(
+                &dy,
+                &x,
+                gamma,
+                rstd,
+                &mut dx,
+                &mut out.dgamma[..dgamma_len],
+                floats_mut(&mut ws, ws_len),
+            )
+        };
+    assert!(matches!(
+        backward(rows - 1, gamma, &rstd, d, ws_len),
+        Err(Error::Shape { what: "dy", .. })
+    ));
+    assert!(matches!(
+        backward(rows, &gamma[1..], &rstd, d, ws_len),
+        Err(Error::Length { what: "gamma", .. })
+    ));
+    assert!(matches!(
+        backward(rows, gamma, &rstd[1..], d, ws_len),
+        Err(Error::Length { what: "rstd", .. })
+    ));
+    assert!(matches!(
+        backward(rows, gamma, &rstd, d - 1, ws_len),
+        Err(Error::Length { what: "dgamma", .. })
+    ));
+    assert!(matches!(
+        backward(rows, gamma, &rstd, d, ws_len - 1),
+        Err(Error::WorkspaceTooSmall { .. })
+    ));
+    assert!(
+        out.dx.iter().all(|v| v.is_nan()) && out.dgamma.iter().all(|v| v.is_nan()),
+        "a rejected call wrote output"
+    );
+    let _ = dy;
+}
+
+#[test]
+fn layer_norm_bad_arguments_are_rejected_before_anything_is_written() {
+    let (rows, d) = (4, 16);
+    let x = vec![1.5f32; rows * d];
+    let gamma = vec![1.0f32; d];
+    let emu = Emulator::new();
+    let xv = Rows::new(&x[..], rows, d).unwrap();
+    let mut y = vec![f32::NAN; rows * d];
+    let (mut mean, mut rstd) = (vec![f32::NAN; rows], vec![f32::NAN; rows]);
+    let mut yv = Rows::new(&mut y[..], rows, d).unwrap();
+    let r = emu.layer_norm_forward(&xv, &gamma, Some(&gamma[1..]), EPS, &mut yv, None, None);
+    assert!(
+        matches!(r, Err(Error::Length { what: "beta", .. })),
+        "{r:?}"
+    );
+    let r = emu.layer_norm_forward(
+        &xv,
+        &gamma,
+        None,
+        EPS,
+        &mut yv,
+        Some(&mut mean[1..]),
+        Some(&mut rstd),
+    );
+    assert!(
+        matches!(r, Err(Error::Length { what: "mean", .. })),
+        "{r:?}"
+    );
+    let r = emu.layer_norm_forward(
+        &xv,
+        &gamma,
+        None,
+        -1.0,
+        &mut yv,
+        Some(&mut mean),
+        Some(&mut rstd),
+    );
+    assert!(matches!(r, Err(Error::Eps(_))), "{r:?}");
+    assert!(
+        y.iter().chain(&mean).chain(&rstd).all(|v| v.is_nan()),
+        "a rejected forward wrote output"
+    );
+
+    let stats = vec![0.5f32; rows];
+    let mut dx = vec![f32::NAN; rows * d];
+    let (mut dgamma, mut dbeta) = (vec![f32::NAN; d], vec![f32::NAN; d]);
+    let ws_len = layer_norm::workspace_len(rows, d);
+    let mut ws = aligned_f32(ws_len);
+    let mut dxv = Rows::new(&mut dx[..], rows, d).unwrap();
+    let r = emu.layer_norm_backward(
+        &xv,
+        &xv,
+        &gamma,
+        &stats,
+        &stats,
+        &mut dxv,
+        &mut dgamma,
+        Some(&mut dbeta[1..]),
+        floats_mut(&mut ws, ws_len),
+    );
+    assert!(
+        matches!(r, Err(Error::Length { what: "dbeta", .. })),
+        "{r:?}"
+    );
+    let r = emu.layer_norm_backward(
+        &xv,
+        &xv,
+        &gamma,
+        &stats[1..],
+        &stats,
+        &mut dxv,
+        &mut dgamma,
+        None,
+        floats_mut(&mut ws, ws_len),
+    );
+    assert!(
+        matches!(r, Err(Error::Length { what: "mean", .. })),
+        "{r:?}"
+    );
+    let r = emu.layer_norm_backward(
+        &xv,
+        &xv,
+        &gamma,
+        &stats,
+        &stats,
+        &mut dxv,
+        &mut dgamma,
+        None,
+        floats_mut(&mut ws, ws_len - 1),
+    );
+    assert!(matches!(r, Err(Error::WorkspaceTooSmall { .. })), "{r:?}");
+    assert!(
+        dx.iter().chain(&dgamma).chain(&dbeta).all(|v| v.is_nan()),
+        "a rejected backward wrote output"
+    );
+}
+
+#[test]
+fn workspace_and_groups_depend_on_the_shape_only() {
+    for rows in [1, 15, 16, 17, 1000, 16384, 1 << 20] {
+        let (per_group, groups) = normkern::group_layout(rows);
+        assert!(
+            per_group * groups >= rows && per_group * (groups - 1) < rows,
+            "rows {rows}"
+        );
+        assert_eq!(rms_norm::workspace_len(rows, 3), groups * 3);
+    }
+    assert_eq!(normkern::group_layout(0).1, 0);
+}
+
+#[test]
+fn no_driver_or_device_is_an_error_not_a_panic() {
+    match Context::new(0) {
+        Ok(ctx) => {
+            eprintln!("a GPU is present ({ctx:?}); trying a device ordinal that cannot exist")
+        }
+        Err(e) => {
+            eprintln!("no GPU here: {e}");
+            assert!(
+                matches!(e, Error::NoDriver | Error::NoDevice { .. }),
+                "{e:?}"
+            );
+            return;
+        }
+    }
+    assert!(matches!(
+        Context::new(4096),
+        Err(Error::NoDevice { ordinal: 4096, .. })
+    ));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernels in the CPU emulator: the same bodies that are compiled to PTX.
+
+fn emulated_case<T: TestDtype>(
+    kind: Kind,
+    rng: &mut Rng,
+    rows: usize,
+    d: usize,
+    stride: usize,
+    offset: usize,
+) {
+    let case = Case::<T>::new(kind, rng, rows, d, stride, offset);
+    let reference_run = case.run_emulator(&Emulator::new());
+    case.check(&reference_run, "emulator");
+    // Grid invariance: any number of blocks gives the same bits, dγ and dβ included.
+    for blocks in [1, 3] {
+        let out = case.run_emulator(&Emulator::new().with_grid_limit(blocks).unwrap());
+        assert!(
+            out == reference_run,
+            "emulator {kind:?} {rows}×{d} {}: grid of {blocks} blocks changed the result",
+            T::NAME
+        );
+    }
+}
+
+/// (rows, d, stride, offset): odd d, rows not a multiple of the 16-row group, packed and scalar
+/// access, strided rows, and a row too wide for registers (the streaming instance).
+const EMULATED_SHAPES: [(usize, usize, usize, usize); 8] = [
+    (1, 1, 1, 0),
+    (3, 7, 7, 0),
+    (17, 64, 64, 0),
+    (33, 64, 72, 0),
+    (5, 127, 130, 1),
+    (20, 1000, 1000, 0),
+    (2, 1024, 1024, 1),
+    (2, 8200, 8200, 1),
+];
+
+fn emulated_shapes<T: TestDtype>(kind: Kind, shapes: &[(usize, usize, usize, usize)]) {
+    let mut rng = Rng::fresh(&format!("emulator_{kind:?}_{}", T::NAME));
+    for &(rows, d, stride, offset) in shapes {
+        emulated_case::<T>(kind, &mut rng, rows, d, stride, offset);
+    }
+}
+
+#[test]
+fn emulator_rms_norm_matches_reference_f32() {
+    emulated_shapes::<f32>(Kind::Rms, &EMULATED_SHAPES);
+}
+
+#[test]
+fn emulator_rms_norm_matches_reference_f16() {
+    emulated_shapes::<f16>(Kind::Rms, &EMULATED_SHAPES);
+}
+
+#[test]
+fn emulator_rms_norm_matches_reference_bf16() {
+    emulated_shapes::<bf16>(Kind::Rms, &EMULATED_SHAPES);
+}
+
+#[test]
+fn emulator_layer_norm_matches_reference_f32() {
+    // The streaming instance (the last shape) is shared code: once, below, is enough for LayerNorm.
+    emulated_shapes::<f32>(Kind::Layer { bias: true }, &EMULATED_SHAPES[..7]);
+}
+
+#[test]
+fn emulator_layer_norm_matches_reference_f16() {
+    // The streaming instance (the last shape) is shared code: once, below, is enough for LayerNorm.
+    emulated_shapes::<f16>(Kind::Layer { bias: true }, &EMULATED_SHAPES[..7]);
+}
+
+#[test]
+fn emulator_layer_norm_matches_reference_bf16() {
+    // The streaming instance (the last shape) is shared code: once, below, is enough for LayerNorm.
+    emulated_shapes::<bf16>(Kind::Layer { bias: true }, &EMULATED_SHAPES[..7]);
+}
+
+#[test]
+fn emulator_layer_norm_without_bias_and_streaming_matches_reference() {
+    let mut rng = Rng::fresh("emulator_layer_norm_without_bias");
+    for (rows, d, stride, offset) in [(17, 64, 64, 0), (5, 127, 130, 1)] {
+        emulated_case::<bf16>(
+            Kind::Layer { bias: false },
+            &mut rng,
+            rows,
+            d,
+            stride,
+            offset,
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernels on the GPU.
+
+/// Every d of the acceptance list, each with a row count from its list so every count appears.
+const GPU_SHAPES: [(usize, usize); 15] = [
+    (16384, 1),
+    (1000, 2),
+    (64, 3),
+    (3, 7),
+    (2, 8),
+    (1, 64),
+    (1000, 127),
+    (64, 1000),
+    (16384, 1024),
+    (1000, 4096),
+    (64, 4097),
+    (3, 8192),
+    (4096, 16384),
+    (2, 65536),
+    (64, 65536),
+];
+
+fn gpu_shapes<T: TestDtype>(kind: Kind) {
+    let Some((ctx, stream)) = gpu() else { return };
+    let mut rng = Rng::fresh(&format!("gpu_{kind:?}_{}", T::NAME));
+    for (rows, d) in GPU_SHAPES {
+        let start = std::time::Instant::now();
+        let case = Case::<T>::dense(kind, &mut rng, rows, d);
+        case.check(&case.run_gpu(ctx, stream), "gpu");
+        eprintln!(
+            "gpu {kind:?} {} {rows}×{d}: ok in {:.2} s",
+            T::NAME,
+            start.elapsed().as_secs_f64()
+        );
+    }
+    // Strided rows, and views one element off 16-byte alignment (the scalar path).
+    for (rows, d, stride, offset) in [
+        (1000, 4096, 4104, 0),
+        (257, 4096, 4096, 1),
+        (64, 1000, 1003, 3),
+        (16, 65536, 65540, 1),
+    ] {
+        let case = Case::<T>::new(kind, &mut rng, rows, d, stride, offset);
+        case.check(&case.run_gpu(ctx, stream), "gpu");
+    }
+}
+
+#[test]
+fn gpu_rms_norm_matches_reference_f32() {
+    gpu_shapes::<f32>(Kind::Rms);
+}
+
+#[test]
+fn gpu_rms_norm_matches_reference_f16() {
+    gpu_shapes::<f16>(Kind::Rms);
+}
+
+#[test]
+fn gpu_rms_norm_matches_reference_bf16() {
+    gpu_shapes::<bf16>(Kind::Rms);
+}
+
+#[test]
+fn gpu_layer_norm_matches_reference_f32() {
+    gpu_shapes::<f32>(Kind::Layer { bias: true });
+}
+
+#[test]
+fn gpu_layer_norm_matches_reference_f16() {
+    gpu_shapes::<f16>(Kind::Layer { bias: true });
+}
+
+#[test]
+fn gpu_layer_norm_matches_reference_bf16() {
+    gpu_shapes::<bf16>(Kind::Layer { bias: true });
+}
+
+#[test]
+fn gpu_backward_is_bitwise_repeatable_and_grid_invariant() {
+    let Some((ctx, stream)) = gpu() else { return };
+    let mut rng = Rng::fresh("gpu_determinism");
+    let limited = [3, 7].map(|blocks| {
+        Context::from_cuda(ctx.cuda().clone())
+            .unwrap()
+            .with_grid_limit(blocks)
+            .unwrap()
+    });
+    for (kind, rows, d) in KINDS
+        .iter()
+        .flat_map(|&k| [(k, 16384, 4096), (k, 1000, 4097), (k, 64, 65536)])
+    {
+        let case = Case::<bf16>::dense(kind, &mut rng, rows, d);
+        let first = case.run_gpu(ctx, stream);
+        case.check(&first, "gpu determinism");
+        for run in 1..3 {
+            assert!(
+                case.run_gpu(ctx, stream) == first,
+                "{rows}×{d}: run {run} differs bitwise from run 0"
+            );
+        }
+        for small in &limited {
+            let out = case.run_gpu(small, stream);
+            assert!(
+                same_bits(&out.dgamma, &first.dgamma),
+                "{rows}×{d}: dgamma changed with a grid limit of {small:?}"
+            );
+            assert!(
+                out == first,
+                "{rows}×{d}: outputs changed with a grid limit of {small:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn gpu_zero_rows_is_a_no_op_and_dgamma_is_zero() {
+    let Some((ctx, stream)) = gpu() else { return };
+    let d = 64;
+    let x = stream.alloc_zeros::<f16>(0).unwrap();
+    let gamma = stream.clone_htod(&vec![f16::ONE; d]).unwrap();
+    let mut y = stream.alloc_zeros::<f16>(0).unwrap();
+    let xv = Rows::new(x.as_view(), 0, d).unwrap();
+    rms_norm::forward(
+        ctx,
+        stream,
+        &xv,
+        &gamma.as_view(),
+        EPS,
+        &mut Rows::new(y.as_view_mut(), 0, d).unwrap(),
+        None,
+    )
+    .unwrap();
+    let rstd = stream.alloc_zeros::<f32>(0).unwrap();
+    let mut dgamma = stream.clone_htod(&vec![f16::poison(); d]).unwrap();
+    let mut ws = rms_norm::alloc_workspace(stream, 0, d).unwrap();
+    rms_norm::backward(
+        ctx,
+        stream,
+        &xv,
+        &xv,
+        &gamma.as_view(),
+        &rstd.as_view(),
+        &mut Rows::new(y.as_view_mut(), 0, d).unwrap(),
+        &mut dgamma.as_view_mut(),
+        &mut ws.as_view_mut(),
+    )
+    .unwrap();
+    let dgamma = stream.clone_dtoh(&dgamma).unwrap();
+    assert!(dgamma.iter().all(|v| *v == f16::ZERO), "{dgamma:?}");
+}
+
+#[test]
+fn gpu_rejects_buffers_of_another_context() {
+    let Some((ctx, stream)) = gpu() else { return };
+    // A second, non-primary context on the same device: its buffers are not ours.
+    let other = normkern::cudarc::driver::CudaContext::new_non_primary(0, 0).unwrap();
+    let other_stream = other.default_stream();
+    let (rows, d) = (2, 8);
+    let x = other_stream.alloc_zeros::<f32>(rows * d).unwrap();
+    let gamma = stream.alloc_zeros::<f32>(d).unwrap();
+    let mut y = stream.clone_htod(&vec![f32::NAN; rows * d]).unwrap();
+    let err = rms_norm::forward(
+        ctx,
+        stream,
+        &Rows::new(x.as_view(), rows, d).unwrap(),
+        &gamma.as_view(),
+        EPS,
+        &mut Rows::new(y.as_view_mut(), rows, d).unwrap(),
+        None,
+    );
+    assert!(
+        matches!(err, Err(Error::WrongContext { what: "x" })),
+        "{err:?}"
+    );
+    assert!(stream.clone_dtoh(&y).unwrap().iter().all(|v| v.is_nan()));
+}
