@@ -285,7 +285,10 @@ fn bundle(dir: PathBuf) -> Result {
     }
     let script = r#"#!/usr/bin/env bash
 # Runs normkern's GPU tests and benchmark on a host with a CUDA driver (no Rust needed).
-# Usage: ./run.sh [tests|bench|demo|all] [extra args for the bench]
+# Usage: ./run.sh [tests|bench|demo|sanitize|all] [extra args for the bench]
+#   tests     every test binary, GPU tests required (NORMKERN_REQUIRE_GPU=1)
+#   sanitize  compute-sanitizer memcheck and racecheck over one quick bench pass
+#   all       tests, demo, bench
 set -uo pipefail
 cd "$(dirname "$0")"
 what=${1:-all}; shift || true
@@ -294,6 +297,12 @@ if [[ $what == tests || $what == all ]]; then
   for t in tests/*; do
     echo "== $t"
     NORMKERN_REQUIRE_GPU=1 "$t" --test-threads=1 || status=1
+  done
+fi
+if [[ $what == sanitize ]]; then
+  for tool in memcheck racecheck; do
+    echo "== compute-sanitizer --tool $tool"
+    compute-sanitizer --tool "$tool" --error-exitcode 99 ./bench --quick --reps 1 --warmup 0 || status=1
   done
 fi
 if [[ $what == demo || $what == all ]]; then ./demo || status=1; fi

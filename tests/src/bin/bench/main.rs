@@ -1,6 +1,6 @@
 //! normkern's benchmark: every op against the device's copy bandwidth, measured in the same run.
 //!
-//! `cargo xtask bench [--reps N] [--quick]`, or `./bench` in a bundle. Times are medians of CUDA
+//! `cargo xtask bench [--reps N] [--warmup N] [--quick]`, or `./bench` in a bundle. Times are medians of CUDA
 //! event timings after warm-up; inputs rotate over enough sets to exceed L2; bytes count the
 //! minimal traffic (each input read once, each output written once).
 
