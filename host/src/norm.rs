@@ -73,19 +73,9 @@ impl Forward {
             eps: self.eps,
             inv_d: inv(d),
         };
-        let kernel = |vpt| Kernel::NormForward(self.norm, Variant { dtype, vec, vpt }, params);
-        let len = if vec { 16 / dtype.bytes() } else { 1 };
-        let tile = row_tile(d, len, |vpt| exec.max_threads(&kernel(vpt)))?;
-        let k = kernel(tile.vpt);
-        let grid = exec.persistent_grid(&k, rows, tile.threads, ROW_KERNEL_SHARED_BYTES)?;
-        exec.launch(
-            &k,
-            Shape {
-                grid,
-                block: tile.threads,
-                shared_bytes: ROW_KERNEL_SHARED_BYTES,
-            },
-        )
+        launch_rows(exec, dtype, vec, d, rows, |variant| {
+            Kernel::NormForward(self.norm, variant, params)
+        })
     }
 }
 
@@ -123,19 +113,9 @@ impl Backward {
                 inv_d: inv(d),
                 _pad: 0,
             };
-            let kernel = |vpt| Kernel::NormBackward(self.norm, Variant { dtype, vec, vpt }, params);
-            let len = if vec { 16 / dtype.bytes() } else { 1 };
-            let tile = row_tile(d, len, |vpt| exec.max_threads(&kernel(vpt)))?;
-            let k = kernel(tile.vpt);
-            let grid = exec.persistent_grid(&k, groups, tile.threads, ROW_KERNEL_SHARED_BYTES)?;
-            exec.launch(
-                &k,
-                Shape {
-                    grid,
-                    block: tile.threads,
-                    shared_bytes: ROW_KERNEL_SHARED_BYTES,
-                },
-            )?;
+            launch_rows(exec, dtype, vec, d, groups, |variant| {
+                Kernel::NormBackward(self.norm, variant, params)
+            })?;
         }
         launch_column_sum(exec, dtype, self.workspace, self.dgamma, groups, d)?;
         if self.dbeta != 0 {
@@ -143,6 +123,31 @@ impl Backward {
         }
         Ok(())
     }
+}
+
+/// Picks the row tile for a row kernel (its register limit included) and launches a persistent
+/// grid over `work` items (rows, or groups of rows).
+fn launch_rows(
+    exec: &dyn Executor,
+    dtype: KernelDtype,
+    vec: bool,
+    d: usize,
+    work: usize,
+    kernel: impl Fn(Variant) -> Kernel,
+) -> Result<()> {
+    let variant = |vpt| Variant { dtype, vec, vpt };
+    let len = if vec { 16 / dtype.bytes() } else { 1 };
+    let tile = row_tile(d, len, |vpt| exec.max_threads(&kernel(variant(vpt))))?;
+    let k = kernel(variant(tile.vpt));
+    let grid = exec.persistent_grid(&k, work, tile.threads, ROW_KERNEL_SHARED_BYTES)?;
+    exec.launch(
+        &k,
+        Shape {
+            grid,
+            block: tile.threads,
+            shared_bytes: ROW_KERNEL_SHARED_BYTES,
+        },
+    )
 }
 
 /// Shapes and lengths of a forward: `y` like `x`, `gamma` (and `beta`) of `d`, statistics of `rows`.
