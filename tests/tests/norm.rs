@@ -843,6 +843,24 @@ fn gpu_shapes<T: TestDtype>(kind: Kind) {
     }
 }
 
+/// Rows far too wide for registers (the streaming instances), up to 2²⁰ elements: exact, no limit.
+#[test]
+fn gpu_wide_rows_match_reference() {
+    let Some((ctx, stream)) = gpu() else { return };
+    let mut rng = Rng::fresh("gpu_wide_rows");
+    for kind in KINDS {
+        for (rows, d, offset) in [
+            (64, 65537, 0),
+            (8, 262144, 0),
+            (64, 1 << 20, 0),
+            (3, 1 << 20, 1),
+        ] {
+            let case = Case::<bf16>::new(kind, &mut rng, rows, d, d, offset);
+            case.check(&case.run_gpu(ctx, stream), "gpu wide");
+        }
+    }
+}
+
 #[test]
 fn gpu_rms_norm_matches_reference_f32() {
     gpu_shapes::<f32>(Kind::Rms);

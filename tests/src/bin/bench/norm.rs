@@ -32,6 +32,7 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
             (65536, 1024),
             (16384, 8192),
             (1024, 65536),
+            (64, 1 << 20),
         ]
     };
     let mut out = Vec::new();
