@@ -52,6 +52,9 @@ pub enum Error {
     /// eps must be finite and positive.
     #[error("eps must be finite and > 0, got {0}")]
     Eps(f32),
+    /// The γ offset must be finite.
+    #[error("gamma offset must be finite, got {0}")]
+    GammaOffset(f32),
     /// The backward's workspace is smaller than [`crate::rms_norm::workspace_len`].
     #[error("workspace holds {actual} f32, the backward needs {needed}")]
     WorkspaceTooSmall { needed: usize, actual: usize },

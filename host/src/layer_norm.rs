@@ -19,7 +19,7 @@ use crate::context::{Context, Gpu};
 use crate::emulator::Emulator;
 use crate::error::{Error, Result};
 use crate::launch::group_layout;
-use crate::norm::{Backward, Forward, validate_backward, validate_forward};
+use crate::norm::{Backward, Forward, NormConfig, opt_ptr, validate_backward, validate_forward};
 use crate::tensor::{Dtype, Rows, RowsMut, RowsRef};
 
 /// f32 elements of workspace the backward needs for `rows × d` (room for dγ and dβ partials).
@@ -35,29 +35,16 @@ pub fn alloc_workspace(stream: &Arc<CudaStream>, rows: usize, d: usize) -> Resul
         .map_err(Error::driver("cuMemAlloc"))
 }
 
-/// Device address of an optional buffer (0 when absent) and the guard ordering it on `stream`.
-macro_rules! opt_ptr {
-    ($v:expr, $stream:expr, $method:ident) => {
-        match $v {
-            Some(v) => {
-                let (p, guard) = v.$method($stream);
-                (p, Some(guard))
-            }
-            None => (0, None),
-        }
-    };
-}
-
 /// LayerNorm forward on `stream`: writes `y` and, when given, `mean` and `rstd` (one f32 per row
 /// each, for the backward). `gamma` and `beta` (optional) have `d` elements.
 #[allow(clippy::too_many_arguments)]
 pub fn forward<T: Dtype>(
     ctx: &Context,
     stream: &CudaStream,
+    cfg: &NormConfig,
     x: &RowsRef<'_, T>,
     gamma: &CudaView<'_, T>,
     beta: Option<&CudaView<'_, T>>,
-    eps: f32,
     y: &mut RowsMut<'_, T>,
     mean: Option<&mut CudaViewMut<'_, f32>>,
     rstd: Option<&mut CudaViewMut<'_, f32>>,
@@ -66,7 +53,7 @@ pub fn forward<T: Dtype>(
         ("mean", mean.as_ref().map(|m| m.len())),
         ("rstd", rstd.as_ref().map(|r| r.len())),
     ];
-    validate_forward(x, gamma.len(), beta.map(|b| b.len()), eps, y, &stats)?;
+    validate_forward(x, gamma.len(), beta.map(|b| b.len()), cfg, y, &stats)?;
     ctx.check_context("stream", stream)?;
     ctx.check_context("x", x.data.stream())?;
     ctx.check_context("gamma", gamma.stream())?;
@@ -97,29 +84,32 @@ pub fn forward<T: Dtype>(
         beta: beta_ptr,
         mean: mean_ptr,
         rstd: rstd_ptr,
-        eps,
+        cfg: *cfg,
     }
     .run(&Gpu { ctx, stream })
 }
 
 /// LayerNorm backward on `stream`: writes `dx`, `dgamma` and, when given, `dbeta` from `dy`, `x`,
-/// `gamma` and the forward's `mean` and `rstd`, using `workspace` (at least [`workspace_len`] f32).
+/// `gamma` and the forward's `(mean, rstd)` — or, with `stats = None`, statistics recomputed from
+/// `x` (nothing saved by the forward; one more reduction per row) — using `workspace` (at least
+/// [`workspace_len`] f32).
 /// With `rows == 0`, `dgamma` and `dbeta` are set to zero.
 #[allow(clippy::too_many_arguments)]
 pub fn backward<T: Dtype>(
     ctx: &Context,
     stream: &CudaStream,
+    cfg: &NormConfig,
     dy: &RowsRef<'_, T>,
     x: &RowsRef<'_, T>,
     gamma: &CudaView<'_, T>,
-    mean: &CudaView<'_, f32>,
-    rstd: &CudaView<'_, f32>,
+    stats: Option<(&CudaView<'_, f32>, &CudaView<'_, f32>)>,
     dx: &mut RowsMut<'_, T>,
     dgamma: &mut CudaViewMut<'_, T>,
     dbeta: Option<&mut CudaViewMut<'_, T>>,
     workspace: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
     validate_backward(
+        cfg,
         dy,
         x,
         dx,
@@ -128,7 +118,10 @@ pub fn backward<T: Dtype>(
             ("dgamma", Some(dgamma.len())),
             ("dbeta", dbeta.as_ref().map(|b| b.len())),
         ],
-        &[("mean", Some(mean.len())), ("rstd", Some(rstd.len()))],
+        &[
+            ("mean", stats.map(|s| s.0.len())),
+            ("rstd", stats.map(|s| s.1.len())),
+        ],
         workspace.len(),
         workspace_len(x.rows, x.d),
     )?;
@@ -137,8 +130,6 @@ pub fn backward<T: Dtype>(
         ("dy", dy.data.stream()),
         ("x", x.data.stream()),
         ("gamma", gamma.stream()),
-        ("mean", mean.stream()),
-        ("rstd", rstd.stream()),
         ("dx", dx.data.stream()),
         ("dgamma", dgamma.stream()),
         ("workspace", workspace.stream()),
@@ -148,11 +139,15 @@ pub fn backward<T: Dtype>(
     if let Some(b) = &dbeta {
         ctx.check_context("dbeta", b.stream())?;
     }
+    if let Some((mean, rstd)) = stats {
+        ctx.check_context("mean", mean.stream())?;
+        ctx.check_context("rstd", rstd.stream())?;
+    }
     let (dy_ptr, _dy) = dy.data.device_ptr(stream);
     let (x_ptr, _x) = x.data.device_ptr(stream);
     let (gamma_ptr, _gamma) = gamma.device_ptr(stream);
-    let (mean_ptr, _mean) = mean.device_ptr(stream);
-    let (rstd_ptr, _rstd) = rstd.device_ptr(stream);
+    let (mean_ptr, _mean) = opt_ptr!(stats.map(|s| s.0), stream, device_ptr);
+    let (rstd_ptr, _rstd) = opt_ptr!(stats.map(|s| s.1), stream, device_ptr);
     let (dx_ptr, _dx) = dx.data.device_ptr_mut(stream);
     let (dgamma_ptr, _dgamma) = dgamma.device_ptr_mut(stream);
     let (dbeta_ptr, _dbeta) = opt_ptr!(dbeta, stream, device_ptr_mut);
@@ -171,6 +166,7 @@ pub fn backward<T: Dtype>(
         dgamma: dgamma_ptr,
         dbeta: dbeta_ptr,
         workspace: ws_ptr,
+        cfg: *cfg,
     }
     .run(&Gpu { ctx, stream })
 }
@@ -180,10 +176,10 @@ impl Emulator {
     #[allow(clippy::too_many_arguments)]
     pub fn layer_norm_forward<T: Dtype>(
         &self,
+        cfg: &NormConfig,
         x: &Rows<&[T]>,
         gamma: &[T],
         beta: Option<&[T]>,
-        eps: f32,
         y: &mut Rows<&mut [T]>,
         mean: Option<&mut [f32]>,
         rstd: Option<&mut [f32]>,
@@ -192,7 +188,7 @@ impl Emulator {
             ("mean", mean.as_ref().map(|m| m.len())),
             ("rstd", rstd.as_ref().map(|r| r.len())),
         ];
-        validate_forward(x, gamma.len(), beta.map(|b| b.len()), eps, y, &stats)?;
+        validate_forward(x, gamma.len(), beta.map(|b| b.len()), cfg, y, &stats)?;
         Forward {
             norm: Norm::Layer,
             dtype: T::KERNEL,
@@ -204,7 +200,7 @@ impl Emulator {
             beta: beta.map_or(0, |b| b.as_ptr() as u64),
             mean: mean.map_or(0, |m| m.as_mut_ptr() as u64),
             rstd: rstd.map_or(0, |r| r.as_mut_ptr() as u64),
-            eps,
+            cfg: *cfg,
         }
         .run(self)
     }
@@ -213,17 +209,18 @@ impl Emulator {
     #[allow(clippy::too_many_arguments)]
     pub fn layer_norm_backward<T: Dtype>(
         &self,
+        cfg: &NormConfig,
         dy: &Rows<&[T]>,
         x: &Rows<&[T]>,
         gamma: &[T],
-        mean: &[f32],
-        rstd: &[f32],
+        stats: Option<(&[f32], &[f32])>,
         dx: &mut Rows<&mut [T]>,
         dgamma: &mut [T],
         dbeta: Option<&mut [T]>,
         workspace: &mut [f32],
     ) -> Result<()> {
         validate_backward(
+            cfg,
             dy,
             x,
             dx,
@@ -232,7 +229,10 @@ impl Emulator {
                 ("dgamma", Some(dgamma.len())),
                 ("dbeta", dbeta.as_ref().map(|b| b.len())),
             ],
-            &[("mean", Some(mean.len())), ("rstd", Some(rstd.len()))],
+            &[
+                ("mean", stats.map(|s| s.0.len())),
+                ("rstd", stats.map(|s| s.1.len())),
+            ],
             workspace.len(),
             workspace_len(x.rows, x.d),
         )?;
@@ -245,11 +245,12 @@ impl Emulator {
             x: (x.data.as_ptr() as u64, x.stride),
             dx: (dx.data.as_mut_ptr() as u64, dx.stride),
             gamma: gamma.as_ptr() as u64,
-            mean: mean.as_ptr() as u64,
-            rstd: rstd.as_ptr() as u64,
+            mean: stats.map_or(0, |s| s.0.as_ptr() as u64),
+            rstd: stats.map_or(0, |s| s.1.as_ptr() as u64),
             dgamma: dgamma.as_mut_ptr() as u64,
             dbeta: dbeta.map_or(0, |b| b.as_mut_ptr() as u64),
             workspace: workspace.as_mut_ptr() as u64,
+            cfg: *cfg,
         }
         .run(self)
     }

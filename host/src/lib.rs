@@ -6,7 +6,7 @@
 //!
 //! ```no_run
 //! use half::bf16;
-//! use normkern::{rms_norm, Context, Rows};
+//! use normkern::{rms_norm, Context, NormConfig, Rows};
 //!
 //! # fn main() -> normkern::Result<()> {
 //! let ctx = Context::new(0)?;
@@ -19,9 +19,9 @@
 //! rms_norm::forward(
 //!     &ctx,
 //!     &stream,
+//!     &NormConfig::new(1e-6),
 //!     &Rows::new(x.as_view(), rows, d)?,
 //!     &gamma.as_view(),
-//!     1e-6,
 //!     &mut Rows::new(y.as_view_mut(), rows, d)?,
 //!     Some(&mut rstd.as_view_mut()),
 //! )?;
@@ -47,6 +47,7 @@ pub use context::Context;
 pub use emulator::Emulator;
 pub use error::{Error, Result};
 pub use launch::group_layout;
+pub use norm::NormConfig;
 pub use tensor::{Buffer, Dtype, Rows, RowsMut, RowsRef};
 
 pub use cudarc;

@@ -12,6 +12,63 @@ use crate::launch::{
 };
 use crate::tensor::{Buffer, Rows, expect_len};
 
+/// Device address of an optional buffer (0 when absent) and the guard ordering it on `stream`.
+macro_rules! opt_ptr {
+    ($v:expr, $stream:expr, $method:ident) => {
+        match $v {
+            Some(v) => {
+                let (p, guard) = v.$method($stream);
+                (p, Some(guard))
+            }
+            None => (0, None),
+        }
+    };
+}
+pub(crate) use opt_ptr;
+
+/// Settings of an RMSNorm or LayerNorm call.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NormConfig {
+    /// Added to the variance (mean square for RMSNorm) before the square root: finite, > 0.
+    pub eps: f32,
+    /// Added to γ in fp32 before use: `y = x̂·(γ + offset)` (Gemma stores γ − 1 and uses 1).
+    /// dγ is unaffected. Finite; default 0.
+    pub gamma_offset: f32,
+}
+
+impl NormConfig {
+    /// `eps` with no γ offset.
+    pub fn new(eps: f32) -> Self {
+        NormConfig {
+            eps,
+            gamma_offset: 0.0,
+        }
+    }
+
+    /// The same settings with γ used as `γ + offset`.
+    pub fn with_gamma_offset(self, offset: f32) -> Self {
+        NormConfig {
+            gamma_offset: offset,
+            ..self
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        check_eps(self.eps)?;
+        if !self.gamma_offset.is_finite() {
+            return Err(Error::GammaOffset(self.gamma_offset));
+        }
+        Ok(())
+    }
+}
+
+impl Default for NormConfig {
+    /// eps = 1e-5 (PyTorch's LayerNorm default), no offset.
+    fn default() -> Self {
+        NormConfig::new(1e-5)
+    }
+}
+
 /// A validated forward: addresses (host or device) and row strides of every operand; 0 for an
 /// operand that is absent (β, saved statistics).
 pub(crate) struct Forward {
@@ -25,10 +82,10 @@ pub(crate) struct Forward {
     pub beta: u64,
     pub mean: u64,
     pub rstd: u64,
-    pub eps: f32,
+    pub cfg: NormConfig,
 }
 
-/// A validated backward. `dbeta == 0`: no dβ. The workspace holds the dγ partials, then (with
+/// A validated backward. `rstd == 0`: recompute the statistics from x. `dbeta == 0`: no dβ. The workspace holds the dγ partials, then (with
 /// dβ) the dβ partials.
 pub(crate) struct Backward {
     pub norm: Norm,
@@ -44,6 +101,7 @@ pub(crate) struct Backward {
     pub dgamma: u64,
     pub dbeta: u64,
     pub workspace: u64,
+    pub cfg: NormConfig,
 }
 
 fn inv(d: usize) -> f32 {
@@ -70,8 +128,10 @@ impl Forward {
             y_stride: self.y.1 as u64,
             rows: rows as u32,
             d: d as u32,
-            eps: self.eps,
+            eps: self.cfg.eps,
             inv_d: inv(d),
+            gamma_offset: self.cfg.gamma_offset,
+            _pad: 0,
         };
         launch_rows(exec, dtype, vec, d, rows, |variant| {
             Kernel::NormForward(self.norm, variant, params)
@@ -111,6 +171,8 @@ impl Backward {
                 rows_per_group: rows_per_group as u32,
                 groups: groups as u32,
                 inv_d: inv(d),
+                gamma_offset: self.cfg.gamma_offset,
+                eps: self.cfg.eps,
                 _pad: 0,
             };
             launch_rows(exec, dtype, vec, d, groups, |variant| {
@@ -155,7 +217,7 @@ pub(crate) fn validate_forward<X: Buffer, Y: Buffer>(
     x: &Rows<X>,
     gamma_len: usize,
     beta_len: Option<usize>,
-    eps: f32,
+    cfg: &NormConfig,
     y: &Rows<Y>,
     stats: &[(&'static str, Option<usize>)],
 ) -> Result<()> {
@@ -169,13 +231,14 @@ pub(crate) fn validate_forward<X: Buffer, Y: Buffer>(
             expect_len(what, n, x.rows)?;
         }
     }
-    check_eps(eps)
+    cfg.validate()
 }
 
 /// Shapes and lengths of a backward: `dy`, `dx` like `x`; `gamma`, `dgamma` (and `dbeta`) of `d`;
 /// statistics of `rows`; a workspace of at least `workspace_needed`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn validate_backward<DY: Buffer, X: Buffer, DX: Buffer>(
+    cfg: &NormConfig,
     dy: &Rows<DY>,
     x: &Rows<X>,
     dx: &Rows<DX>,
@@ -184,6 +247,7 @@ pub(crate) fn validate_backward<DY: Buffer, X: Buffer, DX: Buffer>(
     workspace_len: usize,
     workspace_needed: usize,
 ) -> Result<()> {
+    cfg.validate()?;
     dy.expect_shape("dy", x.rows, x.d)?;
     dx.expect_shape("dx", x.rows, x.d)?;
     for &(what, len) in params {

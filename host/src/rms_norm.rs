@@ -17,7 +17,7 @@ use crate::context::{Context, Gpu};
 use crate::emulator::Emulator;
 use crate::error::{Error, Result};
 use crate::launch::group_layout;
-use crate::norm::{Backward, Forward, validate_backward, validate_forward};
+use crate::norm::{Backward, Forward, NormConfig, opt_ptr, validate_backward, validate_forward};
 use crate::tensor::{Dtype, Rows, RowsMut, RowsRef};
 
 /// f32 elements of workspace the backward needs for `rows × d`.
@@ -38,9 +38,9 @@ pub fn alloc_workspace(stream: &Arc<CudaStream>, rows: usize, d: usize) -> Resul
 pub fn forward<T: Dtype>(
     ctx: &Context,
     stream: &CudaStream,
+    cfg: &NormConfig,
     x: &RowsRef<'_, T>,
     gamma: &CudaView<'_, T>,
-    eps: f32,
     y: &mut RowsMut<'_, T>,
     rstd: Option<&mut CudaViewMut<'_, f32>>,
 ) -> Result<()> {
@@ -48,7 +48,7 @@ pub fn forward<T: Dtype>(
         x,
         gamma.len(),
         None,
-        eps,
+        cfg,
         y,
         &[("rstd", rstd.as_ref().map(|r| r.len()))],
     )?;
@@ -62,13 +62,7 @@ pub fn forward<T: Dtype>(
     let (x_ptr, _x) = x.data.device_ptr(stream);
     let (gamma_ptr, _gamma) = gamma.device_ptr(stream);
     let (y_ptr, _y) = y.data.device_ptr_mut(stream);
-    let (rstd_ptr, _rstd) = match rstd {
-        Some(r) => {
-            let (p, guard) = r.device_ptr_mut(stream);
-            (p, Some(guard))
-        }
-        None => (0, None),
-    };
+    let (rstd_ptr, _rstd) = opt_ptr!(rstd, stream, device_ptr_mut);
     Forward {
         norm: Norm::Rms,
         dtype: T::KERNEL,
@@ -80,32 +74,35 @@ pub fn forward<T: Dtype>(
         beta: 0,
         mean: 0,
         rstd: rstd_ptr,
-        eps,
+        cfg: *cfg,
     }
     .run(&Gpu { ctx, stream })
 }
 
 /// RMSNorm backward on `stream`: writes `dx` and `dgamma` from `dy`, `x`, `gamma` and the forward's
-/// `rstd`, using `workspace` (at least [`workspace_len`] f32) for the dγ partials.
+/// `rstd` — or, with `rstd = None`, rstd recomputed from `x` (nothing saved by the forward; one more
+/// reduction per row) — using `workspace` (at least [`workspace_len`] f32) for the dγ partials.
 /// With `rows == 0`, `dgamma` is set to zero.
 #[allow(clippy::too_many_arguments)]
 pub fn backward<T: Dtype>(
     ctx: &Context,
     stream: &CudaStream,
+    cfg: &NormConfig,
     dy: &RowsRef<'_, T>,
     x: &RowsRef<'_, T>,
     gamma: &CudaView<'_, T>,
-    rstd: &CudaView<'_, f32>,
+    rstd: Option<&CudaView<'_, f32>>,
     dx: &mut RowsMut<'_, T>,
     dgamma: &mut CudaViewMut<'_, T>,
     workspace: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
     validate_backward(
+        cfg,
         dy,
         x,
         dx,
         &[("gamma", Some(gamma.len())), ("dgamma", Some(dgamma.len()))],
-        &[("rstd", Some(rstd.len()))],
+        &[("rstd", rstd.map(|r| r.len()))],
         workspace.len(),
         workspace_len(x.rows, x.d),
     )?;
@@ -114,17 +111,19 @@ pub fn backward<T: Dtype>(
         ("dy", dy.data.stream()),
         ("x", x.data.stream()),
         ("gamma", gamma.stream()),
-        ("rstd", rstd.stream()),
         ("dx", dx.data.stream()),
         ("dgamma", dgamma.stream()),
         ("workspace", workspace.stream()),
     ] {
         ctx.check_context(what, s)?;
     }
+    if let Some(r) = rstd {
+        ctx.check_context("rstd", r.stream())?;
+    }
     let (dy_ptr, _dy) = dy.data.device_ptr(stream);
     let (x_ptr, _x) = x.data.device_ptr(stream);
     let (gamma_ptr, _gamma) = gamma.device_ptr(stream);
-    let (rstd_ptr, _rstd) = rstd.device_ptr(stream);
+    let (rstd_ptr, _rstd) = opt_ptr!(rstd, stream, device_ptr);
     let (dx_ptr, _dx) = dx.data.device_ptr_mut(stream);
     let (dgamma_ptr, _dgamma) = dgamma.device_ptr_mut(stream);
     let (ws_ptr, _ws) = workspace.device_ptr_mut(stream);
@@ -142,6 +141,7 @@ pub fn backward<T: Dtype>(
         dgamma: dgamma_ptr,
         dbeta: 0,
         workspace: ws_ptr,
+        cfg: *cfg,
     }
     .run(&Gpu { ctx, stream })
 }
@@ -150,9 +150,9 @@ impl Emulator {
     /// [`forward`] on host memory, run by the CPU emulator.
     pub fn rms_norm_forward<T: Dtype>(
         &self,
+        cfg: &NormConfig,
         x: &Rows<&[T]>,
         gamma: &[T],
-        eps: f32,
         y: &mut Rows<&mut [T]>,
         rstd: Option<&mut [f32]>,
     ) -> Result<()> {
@@ -160,7 +160,7 @@ impl Emulator {
             x,
             gamma.len(),
             None,
-            eps,
+            cfg,
             y,
             &[("rstd", rstd.as_ref().map(|r| r.len()))],
         )?;
@@ -175,7 +175,7 @@ impl Emulator {
             beta: 0,
             mean: 0,
             rstd: rstd.map_or(0, |r| r.as_mut_ptr() as u64),
-            eps,
+            cfg: *cfg,
         }
         .run(self)
     }
@@ -184,20 +184,22 @@ impl Emulator {
     #[allow(clippy::too_many_arguments)]
     pub fn rms_norm_backward<T: Dtype>(
         &self,
+        cfg: &NormConfig,
         dy: &Rows<&[T]>,
         x: &Rows<&[T]>,
         gamma: &[T],
-        rstd: &[f32],
+        rstd: Option<&[f32]>,
         dx: &mut Rows<&mut [T]>,
         dgamma: &mut [T],
         workspace: &mut [f32],
     ) -> Result<()> {
         validate_backward(
+            cfg,
             dy,
             x,
             dx,
             &[("gamma", Some(gamma.len())), ("dgamma", Some(dgamma.len()))],
-            &[("rstd", Some(rstd.len()))],
+            &[("rstd", rstd.map(|r| r.len()))],
             workspace.len(),
             workspace_len(x.rows, x.d),
         )?;
@@ -211,10 +213,11 @@ impl Emulator {
             dx: (dx.data.as_mut_ptr() as u64, dx.stride),
             gamma: gamma.as_ptr() as u64,
             mean: 0,
-            rstd: rstd.as_ptr() as u64,
+            rstd: rstd.map_or(0, |r| r.as_ptr() as u64),
             dgamma: dgamma.as_mut_ptr() as u64,
             dbeta: 0,
             workspace: workspace.as_mut_ptr() as u64,
+            cfg: *cfg,
         }
         .run(self)
     }

@@ -3,7 +3,9 @@
 //! Forward, per row: LayerNorm `μ = mean(x)`, `rstd = 1/sqrt(mean((x−μ)²) + eps)`,
 //! `y = (x−μ)·rstd·γ + β` (β optional), saving fp32 μ and rstd; RMSNorm the same with μ = 0 and
 //! no β, saving rstd. The row is on chip, so the variance is the exact two-pass one.
-//! Backward, per row: `x̂ = (x−μ)·rstd` (recomputed from x and the saved statistics, never stored),
+//! `γ + offset` (offset in fp32, Gemma's `1 + γ`) stands for γ everywhere; dγ does not see it.
+//! Backward, per row: `x̂ = (x−μ)·rstd` (recomputed from x and the saved statistics, never stored;
+//! with nothing saved the statistics themselves are recomputed from the row, one more reduction),
 //! `dŷ = dy·γ`, `dx = rstd·(dŷ − mean(dŷ) − x̂·mean(dŷ·x̂))` (RMSNorm drops `mean(dŷ)`).
 //! dγ = Σ_rows dy·x̂ and dβ = Σ_rows dy: each group of `rows_per_group` consecutive rows accumulates
 //! its partials in fp32 registers and writes one row of each `[groups, d]` fp32 workspace;
@@ -38,6 +40,9 @@ pub struct ForwardParams {
     pub eps: f32,
     /// `1/d`, rounded once on the host.
     pub inv_d: f32,
+    /// Added to γ in fp32 (`y = x̂·(γ + offset)`, Gemma's `1 + γ`); 0 for plain γ.
+    pub gamma_offset: f32,
+    pub _pad: u32,
 }
 
 /// Launch parameters of the backward (dx and the dγ, dβ partials).
@@ -49,6 +54,7 @@ pub struct BackwardParams {
     pub gamma: u64,
     /// Saved μ per row (LayerNorm only).
     pub mean: u64,
+    /// Saved rstd per row, or 0: recompute μ and rstd from x (nothing saved by the forward).
     pub rstd: u64,
     pub dx: u64,
     /// `[groups, d]` fp32 dγ partials.
@@ -63,6 +69,10 @@ pub struct BackwardParams {
     pub rows_per_group: u32,
     pub groups: u32,
     pub inv_d: f32,
+    /// As in the forward: dŷ = dy·(γ + offset); dγ does not see it.
+    pub gamma_offset: f32,
+    /// For recomputing the statistics when `rstd == 0`.
+    pub eps: f32,
     pub _pad: u32,
 }
 
@@ -77,6 +87,70 @@ fn save_stats<const CENTERED: bool>(p: &ForwardParams, row: usize, mean: f32, rs
             unsafe { (p.mean as *mut f32).add(row).write(mean) };
         }
     }
+}
+
+/// `(μ, rstd)` of a row held in registers (μ = 0 for RMSNorm): exact two-pass variance, since the
+/// row is on chip. Accesses past `d` hold zeros and are kept out of the sums.
+///
+/// # Safety
+/// Every thread of the block calls it (block reductions).
+#[inline(always)]
+unsafe fn row_stats_regs<T: Element, const VEC: bool, const VPT: usize, const CENTERED: bool>(
+    reducer: &mut BlockReducer,
+    x: &[Pack; VPT],
+    d: usize,
+    inv_d: f32,
+    eps: f32,
+) -> (f32, f32) {
+    let len = Access::<T, VEC>::LEN;
+    let (tid, threads) = (arch::thread_idx(), arch::block_dim());
+    let mean = if CENTERED {
+        let mut sum = 0.0f32;
+        for xk in x {
+            for i in 0..len {
+                sum += T::get(xk, i);
+            }
+        }
+        let total = unsafe { reducer.sum(sum) };
+        total * inv_d
+    } else {
+        0.0
+    };
+    let mut sum_sq = 0.0f32;
+    for k in 0..VPT {
+        if (tid + k * threads) * len < d {
+            for i in 0..len {
+                let c = T::get(&x[k], i) - mean;
+                sum_sq += c * c;
+            }
+        }
+    }
+    (
+        mean,
+        arch::rsqrt(unsafe { reducer.sum(sum_sq) } * inv_d + eps),
+    )
+}
+
+/// `(μ, rstd)` of a row streamed from memory (μ = 0 for RMSNorm), one pass per statistic.
+///
+/// # Safety
+/// As for [`stream_sum`].
+#[inline(always)]
+unsafe fn row_stats_stream<T: Element, const VEC: bool, const CENTERED: bool>(
+    reducer: &mut BlockReducer,
+    row: u64,
+    d: usize,
+    inv_d: f32,
+    eps: f32,
+) -> (f32, f32) {
+    let mean = if CENTERED {
+        let sum = unsafe { stream_sum::<T, VEC>(reducer, row, d, |v| v) };
+        sum * inv_d
+    } else {
+        0.0
+    };
+    let sum_sq = unsafe { stream_sum::<T, VEC>(reducer, row, d, |v| (v - mean) * (v - mean)) };
+    (mean, arch::rsqrt(sum_sq * inv_d + eps))
 }
 
 /// `y` of one element: `(x−μ)·rstd·γ (+ β)`.
@@ -149,41 +223,8 @@ unsafe fn forward_regs<T: Element, const VEC: bool, const VPT: usize, const CENT
         if row + arch::grid_dim() < rows {
             next = load_row(row + arch::grid_dim());
         }
-        let (mean, rstd) = if CENTERED {
-            // Accesses past d hold zeros: they add nothing to Σx but must stay out of Σ(x−μ)².
-            let mut sum = 0.0f32;
-            for xk in &x {
-                for i in 0..len {
-                    sum += T::get(xk, i);
-                }
-            }
-            let mean = unsafe { reducer.sum(sum) } * p.inv_d;
-            let mut sum_sq = 0.0f32;
-            for k in 0..VPT {
-                if elem(k) < d {
-                    for i in 0..len {
-                        let c = T::get(&x[k], i) - mean;
-                        sum_sq += c * c;
-                    }
-                }
-            }
-            (
-                mean,
-                arch::rsqrt(unsafe { reducer.sum(sum_sq) } * p.inv_d + p.eps),
-            )
-        } else {
-            let mut sum_sq = 0.0f32;
-            for xk in &x {
-                for i in 0..len {
-                    let v = T::get(xk, i);
-                    sum_sq += v * v;
-                }
-            }
-            (
-                0.0,
-                arch::rsqrt(unsafe { reducer.sum(sum_sq) } * p.inv_d + p.eps),
-            )
-        };
+        let (mean, rstd) =
+            unsafe { row_stats_regs::<T, VEC, VPT, CENTERED>(&mut reducer, &x, d, p.inv_d, p.eps) };
         save_stats::<CENTERED>(p, row, mean, rstd);
         let y_row = row_addr::<T>(p.y, row, p.y_stride);
         for k in 0..VPT {
@@ -194,7 +235,7 @@ unsafe fn forward_regs<T: Element, const VEC: bool, const VPT: usize, const CENT
                         T::get(&x[k], i),
                         mean,
                         rstd,
-                        T::get(&gamma[k], i),
+                        T::get(&gamma[k], i) + p.gamma_offset,
                         T::get(&beta[k], i),
                     );
                     T::set(&mut y, i, v);
@@ -215,15 +256,8 @@ unsafe fn forward_stream<T: Element, const VEC: bool, const CENTERED: bool>(p: &
     let mut row = arch::block_idx();
     while row < p.rows as usize {
         let x_row = row_addr::<T>(p.x, row, p.x_stride);
-        let mean = if CENTERED {
-            let sum = unsafe { stream_sum::<T, VEC>(&mut reducer, x_row, d, |v| v) };
-            sum * p.inv_d
-        } else {
-            0.0
-        };
-        let sum_sq =
-            unsafe { stream_sum::<T, VEC>(&mut reducer, x_row, d, |v| (v - mean) * (v - mean)) };
-        let rstd = arch::rsqrt(sum_sq * p.inv_d + p.eps);
+        let (mean, rstd) =
+            unsafe { row_stats_stream::<T, VEC, CENTERED>(&mut reducer, x_row, d, p.inv_d, p.eps) };
         save_stats::<CENTERED>(p, row, mean, rstd);
         let y_row = row_addr::<T>(p.y, row, p.y_stride);
         let mut a = tid;
@@ -240,7 +274,13 @@ unsafe fn forward_stream<T: Element, const VEC: bool, const CENTERED: bool>(p: &
                 T::set(
                     &mut y,
                     i,
-                    normalize::<CENTERED>(T::get(&x, i), mean, rstd, T::get(&g, i), T::get(&b, i)),
+                    normalize::<CENTERED>(
+                        T::get(&x, i),
+                        mean,
+                        rstd,
+                        T::get(&g, i) + p.gamma_offset,
+                        T::get(&b, i),
+                    ),
                 );
             }
             unsafe { Access::<T, VEC>::store(y_row, a * len, &y) };
@@ -309,9 +349,13 @@ unsafe fn row_means<const CENTERED: bool>(
     }
 }
 
-/// The saved statistics of a row: `(μ, rstd)` (μ = 0 for RMSNorm).
+/// The saved statistics of a row: `(μ, rstd)` (μ = 0 for RMSNorm); zeros when they are to be
+/// recomputed (`rstd == 0`).
 #[inline(always)]
 fn load_stats<const CENTERED: bool>(p: &BackwardParams, row: usize) -> (f32, f32) {
+    if p.rstd == 0 {
+        return (0.0, 0.0);
+    }
     let mean = if CENTERED {
         unsafe { (p.mean as *const f32).add(row).read() }
     } else {
@@ -366,14 +410,22 @@ unsafe fn backward_regs<T: Element, const VEC: bool, const VPT: usize, const CEN
             empty
         };
         for row in first..end {
-            let (x, dy, (mean, rstd)) = if prefetch { next } else { load_row(row) };
+            let (x, dy, saved) = if prefetch { next } else { load_row(row) };
             if prefetch && row + 1 < end {
                 next = load_row(row + 1);
             }
+            // Nothing saved: recompute the statistics from the row already in registers.
+            let (mean, rstd) = if p.rstd == 0 {
+                unsafe {
+                    row_stats_regs::<T, VEC, VPT, CENTERED>(&mut reducer, &x, d, p.inv_d, p.eps)
+                }
+            } else {
+                saved
+            };
             let (mut sum_dy_hat, mut dot) = (0.0f32, 0.0f32);
             for k in 0..VPT {
                 for i in 0..len {
-                    let dy_hat = T::get(&dy[k], i) * T::get(&gamma[k], i);
+                    let dy_hat = T::get(&dy[k], i) * (T::get(&gamma[k], i) + p.gamma_offset);
                     sum_dy_hat += dy_hat;
                     // Accesses past d hold dy = 0, so they add nothing to either sum.
                     dot += dy_hat * ((T::get(&x[k], i) - mean) * rstd);
@@ -388,7 +440,7 @@ unsafe fn backward_regs<T: Element, const VEC: bool, const VPT: usize, const CEN
                     for i in 0..len {
                         let x_hat = (T::get(&x[k], i) - mean) * rstd;
                         let dy_i = T::get(&dy[k], i);
-                        let dy_hat = dy_i * T::get(&gamma[k], i);
+                        let dy_hat = dy_i * (T::get(&gamma[k], i) + p.gamma_offset);
                         T::set(&mut dx, i, rstd * (dy_hat - mean_dy_hat - x_hat * mean_dot));
                         dgamma[k][i] += dy_i * x_hat;
                         if with_dbeta {
@@ -430,9 +482,15 @@ unsafe fn backward_stream<T: Element, const VEC: bool, const CENTERED: bool>(p: 
         // which only this block touches (each thread re-reads exactly what it wrote).
         let offset = (group * d * 4) as u64;
         for row in first..end {
-            let (mean, rstd) = load_stats::<CENTERED>(p, row);
             let x_row = row_addr::<T>(p.x, row, p.x_stride);
             let dy_row = row_addr::<T>(p.dy, row, p.dy_stride);
+            let (mean, rstd) = if p.rstd == 0 {
+                unsafe {
+                    row_stats_stream::<T, VEC, CENTERED>(&mut reducer, x_row, d, p.inv_d, p.eps)
+                }
+            } else {
+                load_stats::<CENTERED>(p, row)
+            };
             let (mut sum_dy_hat, mut dot) = (0.0f32, 0.0f32);
             let mut a = tid;
             while a < accesses {
@@ -440,7 +498,7 @@ unsafe fn backward_stream<T: Element, const VEC: bool, const CENTERED: bool>(p: 
                 let dy = unsafe { Access::<T, VEC>::load(dy_row, a * len) };
                 let g = unsafe { Access::<T, VEC>::load(p.gamma, a * len) };
                 for i in 0..len {
-                    let dy_hat = T::get(&dy, i) * T::get(&g, i);
+                    let dy_hat = T::get(&dy, i) * (T::get(&g, i) + p.gamma_offset);
                     sum_dy_hat += dy_hat;
                     dot += dy_hat * ((T::get(&x, i) - mean) * rstd);
                 }
@@ -474,7 +532,9 @@ unsafe fn backward_stream<T: Element, const VEC: bool, const CENTERED: bool>(p: 
                     T::set(
                         &mut dx,
                         i,
-                        rstd * (dy_i * T::get(&g, i) - mean_dy_hat - x_hat * mean_dot),
+                        rstd * (dy_i * (T::get(&g, i) + p.gamma_offset)
+                            - mean_dy_hat
+                            - x_hat * mean_dot),
                     );
                     dgamma[i] += dy_i * x_hat;
                     dbeta[i] += dy_i;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use half::{bf16, f16};
 use normkern::cudarc::driver::{CudaSlice, CudaStream};
-use normkern::{Context, Emulator, Error, Rows, layer_norm, rms_norm};
+use normkern::{Context, Emulator, Error, NormConfig, Rows, layer_norm, rms_norm};
 use normkern_tests::reference::{layer_norm as layer_reference, rms_norm as reference};
 use normkern_tests::{
     Rng, TestDtype, aligned_f32, assert_close, floats_mut, gather_rows, gpu, rms, same_bits, to_f64,
@@ -42,6 +42,10 @@ struct Case<T> {
     dy: Vec<T>,
     gamma: Vec<T>,
     beta: Vec<T>,
+    /// γ is used as `γ + gamma_offset`.
+    gamma_offset: f32,
+    /// The backward recomputes the statistics instead of reading the forward's.
+    recompute: bool,
 }
 
 /// What a run produced, outputs in their padded buffers; what a norm does not produce (mean and
@@ -81,7 +85,21 @@ impl<T: TestDtype> Case<T> {
             dy: rng.vec(n, -1.0, 1.0),
             gamma: rng.vec(d, 0.5, 1.5),
             beta: rng.vec(d, -0.5, 0.5),
+            gamma_offset: 0.0,
+            recompute: false,
         }
+    }
+
+    /// Gemma-style γ (small, used as `1 + γ`) and a backward that recomputes its statistics.
+    fn offset_and_recompute(mut self, rng: &mut Rng) -> Self {
+        self.gamma = rng.vec(self.d, -0.5, 0.5);
+        self.gamma_offset = 1.0;
+        self.recompute = true;
+        self
+    }
+
+    fn cfg(&self) -> NormConfig {
+        NormConfig::new(EPS).with_gamma_offset(self.gamma_offset)
     }
 
     fn dense(kind: Kind, rng: &mut Rng, rows: usize, d: usize) -> Self {
@@ -115,6 +133,7 @@ impl<T: TestDtype> Case<T> {
         let (o, s, rows, d) = (self.offset, self.stride, self.rows, self.d);
         let x = Rows::with_stride(&self.x[o..], rows, d, s).unwrap();
         let dy = Rows::with_stride(&self.dy[o..], rows, d, s).unwrap();
+        let cfg = self.cfg();
         let ws_len = self.workspace_len();
         let mut ws = aligned_f32(ws_len);
         let ws = floats_mut(&mut ws, ws_len);
@@ -122,13 +141,15 @@ impl<T: TestDtype> Case<T> {
         let mut dx = Rows::with_stride(&mut out.dx[o..], rows, d, s).unwrap();
         match self.kind {
             Kind::Rms => {
-                emu.rms_norm_forward(&x, &self.gamma, EPS, &mut y, Some(&mut out.rstd))
+                emu.rms_norm_forward(&cfg, &x, &self.gamma, &mut y, Some(&mut out.rstd))
                     .unwrap();
+                let rstd = (!self.recompute).then_some(&out.rstd[..]);
                 emu.rms_norm_backward(
+                    &cfg,
                     &dy,
                     &x,
                     &self.gamma,
-                    &out.rstd,
+                    rstd,
                     &mut dx,
                     &mut out.dgamma,
                     ws,
@@ -138,22 +159,23 @@ impl<T: TestDtype> Case<T> {
             Kind::Layer { bias } => {
                 let beta = bias.then_some(&self.beta[..]);
                 emu.layer_norm_forward(
+                    &cfg,
                     &x,
                     &self.gamma,
                     beta,
-                    EPS,
                     &mut y,
                     Some(&mut out.mean),
                     Some(&mut out.rstd),
                 )
                 .unwrap();
                 let dbeta = bias.then_some(&mut out.dbeta[..]);
+                let stats = (!self.recompute).then_some((&out.mean[..], &out.rstd[..]));
                 emu.layer_norm_backward(
+                    &cfg,
                     &dy,
                     &x,
                     &self.gamma,
-                    &out.mean,
-                    &out.rstd,
+                    stats,
                     &mut dx,
                     &mut out.dgamma,
                     dbeta,
@@ -178,6 +200,7 @@ impl<T: TestDtype> Case<T> {
             up(&poison.dbeta),
         );
         let (mut mean, mut rstd) = (up32(&poison.mean), up32(&poison.rstd));
+        let cfg = self.cfg();
         let mut ws = stream
             .alloc_zeros::<f32>(self.workspace_len().max(1))
             .unwrap();
@@ -190,20 +213,22 @@ impl<T: TestDtype> Case<T> {
                 rms_norm::forward(
                     ctx,
                     stream,
+                    &cfg,
                     &xv,
                     &gamma.as_view(),
-                    EPS,
                     &mut yv,
                     Some(&mut rstd.as_view_mut()),
                 )
                 .unwrap();
+                let rstd_view = rstd.as_view();
                 rms_norm::backward(
                     ctx,
                     stream,
+                    &cfg,
                     &dyv,
                     &xv,
                     &gamma.as_view(),
-                    &rstd.as_view(),
+                    (!self.recompute).then_some(&rstd_view),
                     &mut dxv,
                     &mut dgamma.as_view_mut(),
                     &mut ws.as_view_mut(),
@@ -215,24 +240,25 @@ impl<T: TestDtype> Case<T> {
                 layer_norm::forward(
                     ctx,
                     stream,
+                    &cfg,
                     &xv,
                     &gamma.as_view(),
                     bias.then_some(&beta_view),
-                    EPS,
                     &mut yv,
                     Some(&mut mean.as_view_mut()),
                     Some(&mut rstd.as_view_mut()),
                 )
                 .unwrap();
                 let mut dbeta_view = dbeta.as_view_mut();
+                let (mean_view, rstd_view) = (mean.as_view(), rstd.as_view());
                 layer_norm::backward(
                     ctx,
                     stream,
+                    &cfg,
                     &dyv,
                     &xv,
                     &gamma.as_view(),
-                    &mean.as_view(),
-                    &rstd.as_view(),
+                    (!self.recompute).then_some((&mean_view, &rstd_view)),
                     &mut dxv,
                     &mut dgamma.as_view_mut(),
                     bias.then_some(&mut dbeta_view),
@@ -265,7 +291,11 @@ impl<T: TestDtype> Case<T> {
         );
         let x = gather_rows(&self.x[o..], rows, d, s);
         let dy = gather_rows(&self.dy[o..], rows, d, s);
-        let gamma = to_f64(&self.gamma);
+        // The kernels use γ + offset; dγ itself does not depend on γ.
+        let gamma: Vec<f64> = to_f64(&self.gamma)
+            .iter()
+            .map(|g| g + self.gamma_offset as f64)
+            .collect();
         let (y_ref, mean_ref, rstd_ref, dx_ref, dgamma_ref, dbeta_ref) = match self.kind {
             Kind::Rms => {
                 let (y, rstd) = reference::forward(&x, &gamma, rows, d, EPS as f64);
@@ -499,7 +529,7 @@ fn bad_arguments_are_rejected_before_anything_is_written() {
     let forward =
         |gamma: &[f32], eps: f32, y: &mut [f32], y_rows: usize, rstd: Option<&mut [f32]>| {
             let mut y = Rows::new(y, y_rows, d).unwrap();
-            emu.rms_norm_forward(&x, gamma, eps, &mut y, rstd)
+            emu.rms_norm_forward(&NormConfig::new(eps), &x, gamma, &mut y, rstd)
         };
     for eps in [0.0, -1e-5, f32::NAN, f32::INFINITY] {
         assert!(
@@ -510,6 +540,14 @@ fn bad_arguments_are_rejected_before_anything_is_written() {
             "eps {eps}"
         );
     }
+    let r = emu.rms_norm_forward(
+        &NormConfig::new(EPS).with_gamma_offset(f32::NAN),
+        &x,
+        gamma,
+        &mut Rows::new(&mut out.y[..], rows, d).unwrap(),
+        None,
+    );
+    assert!(matches!(r, Err(Error::GammaOffset(_))), "{r:?}");
     assert!(matches!(
         forward(&gamma[1..], EPS, &mut out.y, rows, None),
         Err(Error::Length { what: "gamma", .. })
@@ -536,10 +574,11 @@ fn bad_arguments_are_rejected_before_anything_is_written() {
             let dy = Rows::new(&case.dy[..dy_rows * d], dy_rows, d).unwrap();
             let mut dx = Rows::new(&mut out.dx[..], rows, d).unwrap();
             emu.rms_norm_backward(
+                &NormConfig::new(EPS),
                 &dy,
                 &x,
                 gamma,
-                rstd,
+                Some(rstd),
                 &mut dx,
                 &mut out.dgamma[..dgamma_len],
                 floats_mut(&mut ws, ws_len),
@@ -582,16 +621,17 @@ fn layer_norm_bad_arguments_are_rejected_before_anything_is_written() {
     let mut y = vec![f32::NAN; rows * d];
     let (mut mean, mut rstd) = (vec![f32::NAN; rows], vec![f32::NAN; rows]);
     let mut yv = Rows::new(&mut y[..], rows, d).unwrap();
-    let r = emu.layer_norm_forward(&xv, &gamma, Some(&gamma[1..]), EPS, &mut yv, None, None);
+    let cfg = NormConfig::new(EPS);
+    let r = emu.layer_norm_forward(&cfg, &xv, &gamma, Some(&gamma[1..]), &mut yv, None, None);
     assert!(
         matches!(r, Err(Error::Length { what: "beta", .. })),
         "{r:?}"
     );
     let r = emu.layer_norm_forward(
+        &cfg,
         &xv,
         &gamma,
         None,
-        EPS,
         &mut yv,
         Some(&mut mean[1..]),
         Some(&mut rstd),
@@ -601,10 +641,10 @@ fn layer_norm_bad_arguments_are_rejected_before_anything_is_written() {
         "{r:?}"
     );
     let r = emu.layer_norm_forward(
+        &NormConfig::new(-1.0),
         &xv,
         &gamma,
         None,
-        -1.0,
         &mut yv,
         Some(&mut mean),
         Some(&mut rstd),
@@ -622,11 +662,11 @@ fn layer_norm_bad_arguments_are_rejected_before_anything_is_written() {
     let mut ws = aligned_f32(ws_len);
     let mut dxv = Rows::new(&mut dx[..], rows, d).unwrap();
     let r = emu.layer_norm_backward(
+        &cfg,
         &xv,
         &xv,
         &gamma,
-        &stats,
-        &stats,
+        Some((&stats, &stats)),
         &mut dxv,
         &mut dgamma,
         Some(&mut dbeta[1..]),
@@ -637,11 +677,11 @@ fn layer_norm_bad_arguments_are_rejected_before_anything_is_written() {
         "{r:?}"
     );
     let r = emu.layer_norm_backward(
+        &cfg,
         &xv,
         &xv,
         &gamma,
-        &stats[1..],
-        &stats,
+        Some((&stats[1..], &stats)),
         &mut dxv,
         &mut dgamma,
         None,
@@ -652,11 +692,11 @@ fn layer_norm_bad_arguments_are_rejected_before_anything_is_written() {
         "{r:?}"
     );
     let r = emu.layer_norm_backward(
+        &cfg,
         &xv,
         &xv,
         &gamma,
-        &stats,
-        &stats,
+        Some((&stats, &stats)),
         &mut dxv,
         &mut dgamma,
         None,
@@ -782,6 +822,22 @@ fn emulator_layer_norm_matches_reference_bf16() {
 }
 
 #[test]
+fn emulator_gamma_offset_and_recomputed_statistics() {
+    let mut rng = Rng::fresh("emulator_gamma_offset_and_recomputed_statistics");
+    for kind in KINDS {
+        // Register tiles (packed and scalar) and the streaming instance.
+        for (rows, d, stride, offset) in [(17, 64, 64, 0), (5, 127, 130, 1), (2, 8200, 8200, 1)] {
+            let case = Case::<f32>::new(kind, &mut rng, rows, d, stride, offset)
+                .offset_and_recompute(&mut rng);
+            case.check(
+                &case.run_emulator(&Emulator::new()),
+                "emulator offset+recompute",
+            );
+        }
+    }
+}
+
+#[test]
 fn emulator_layer_norm_without_bias_and_streaming_matches_reference() {
     let mut rng = Rng::fresh("emulator_layer_norm_without_bias");
     for (rows, d, stride, offset) in [(17, 64, 64, 0), (5, 127, 130, 1)] {
@@ -862,6 +918,23 @@ fn gpu_wide_rows_match_reference() {
 }
 
 #[test]
+fn gpu_gamma_offset_and_recomputed_statistics() {
+    let Some((ctx, stream)) = gpu() else { return };
+    let mut rng = Rng::fresh("gpu_gamma_offset_and_recomputed_statistics");
+    for kind in KINDS {
+        for (rows, d, stride, offset) in [
+            (4096, 4096, 4096, 0),
+            (257, 4097, 4100, 1),
+            (16, 65536, 65536, 0),
+        ] {
+            let case = Case::<bf16>::new(kind, &mut rng, rows, d, stride, offset)
+                .offset_and_recompute(&mut rng);
+            case.check(&case.run_gpu(ctx, stream), "gpu offset+recompute");
+        }
+    }
+}
+
+#[test]
 fn gpu_rms_norm_matches_reference_f32() {
     gpu_shapes::<f32>(Kind::Rms);
 }
@@ -936,12 +1009,13 @@ fn gpu_zero_rows_is_a_no_op_and_dgamma_is_zero() {
     let gamma = stream.clone_htod(&vec![f16::ONE; d]).unwrap();
     let mut y = stream.alloc_zeros::<f16>(0).unwrap();
     let xv = Rows::new(x.as_view(), 0, d).unwrap();
+    let cfg = NormConfig::new(EPS);
     rms_norm::forward(
         ctx,
         stream,
+        &cfg,
         &xv,
         &gamma.as_view(),
-        EPS,
         &mut Rows::new(y.as_view_mut(), 0, d).unwrap(),
         None,
     )
@@ -952,10 +1026,11 @@ fn gpu_zero_rows_is_a_no_op_and_dgamma_is_zero() {
     rms_norm::backward(
         ctx,
         stream,
+        &cfg,
         &xv,
         &xv,
         &gamma.as_view(),
-        &rstd.as_view(),
+        Some(&rstd.as_view()),
         &mut Rows::new(y.as_view_mut(), 0, d).unwrap(),
         &mut dgamma.as_view_mut(),
         &mut ws.as_view_mut(),
@@ -978,9 +1053,9 @@ fn gpu_rejects_buffers_of_another_context() {
     let err = rms_norm::forward(
         ctx,
         stream,
+        &NormConfig::new(EPS),
         &Rows::new(x.as_view(), rows, d).unwrap(),
         &gamma.as_view(),
-        EPS,
         &mut Rows::new(y.as_view_mut(), rows, d).unwrap(),
         None,
     );

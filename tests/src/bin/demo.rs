@@ -3,7 +3,7 @@
 //! runs the same kernels in the CPU emulator on a small shape instead.
 
 use half::bf16;
-use normkern::{Context, Emulator, Rows, rms_norm};
+use normkern::{Context, Emulator, NormConfig, Rows, rms_norm};
 use normkern_tests::bench::{copy_bandwidth, median_us};
 use normkern_tests::reference::rms_norm as reference;
 use normkern_tests::{Rng, TestDtype, aligned_f32, floats_mut, to_f64};
@@ -100,6 +100,7 @@ fn on_gpu(ctx: &Context) -> bool {
     let mut rstd = stream.alloc_zeros::<f32>(rows).unwrap();
     let mut dgamma = stream.alloc_zeros::<bf16>(d).unwrap();
     let mut ws = rms_norm::alloc_workspace(&stream, rows, d).unwrap();
+    let cfg = NormConfig::new(EPS);
     let xv = Rows::new(xd.as_view(), rows, d).unwrap();
     let dyv = Rows::new(dyd.as_view(), rows, d).unwrap();
     let mut forward = || {
@@ -107,9 +108,9 @@ fn on_gpu(ctx: &Context) -> bool {
         rms_norm::forward(
             ctx,
             &stream,
+            &cfg,
             &xv,
             &gd.as_view(),
-            EPS,
             &mut y,
             Some(&mut rstd.as_view_mut()),
         )
@@ -121,10 +122,11 @@ fn on_gpu(ctx: &Context) -> bool {
         rms_norm::backward(
             ctx,
             &stream,
+            &cfg,
             &dyv,
             &xv,
             &gd.as_view(),
-            &rstd.as_view(),
+            Some(&rstd.as_view()),
             &mut dx,
             &mut dgamma.as_view_mut(),
             &mut ws.as_view_mut(),
@@ -172,18 +174,19 @@ fn on_emulator() -> bool {
     let start = std::time::Instant::now();
     let xv = Rows::new(&x[..], rows, d).unwrap();
     emu.rms_norm_forward(
+        &NormConfig::new(EPS),
         &xv,
         &gamma,
-        EPS,
         &mut Rows::new(&mut y[..], rows, d).unwrap(),
         Some(&mut rstd),
     )
     .unwrap();
     emu.rms_norm_backward(
+        &NormConfig::new(EPS),
         &Rows::new(&dy[..], rows, d).unwrap(),
         &xv,
         &gamma,
-        &rstd,
+        Some(&rstd),
         &mut Rows::new(&mut dx[..], rows, d).unwrap(),
         &mut dgamma,
         floats_mut(&mut ws, ws_len),

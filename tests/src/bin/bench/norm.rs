@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use half::bf16;
 use normkern::cudarc::driver::{CudaSlice, CudaStream};
-use normkern::{Context, Rows, layer_norm, rms_norm};
+use normkern::{Context, NormConfig, Rows, layer_norm, rms_norm};
 use normkern_tests::Rng;
 use normkern_tests::bench::median_us;
 
@@ -59,6 +59,7 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
         let mut ws = layer_norm::alloc_workspace(stream, rows, d).unwrap();
         let mut sets = sets;
         let shape = format!("{rows}×{d}");
+        let cfg = NormConfig::new(1e-6);
 
         let fwd_us = median_us(ctx.cuda(), stream, s.warmup, s.reps, |i| {
             let k = i % sets.len();
@@ -68,9 +69,9 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
             rms_norm::forward(
                 ctx,
                 stream,
+                &cfg,
                 &x,
                 &gamma.as_view(),
-                1e-6,
                 &mut y,
                 Some(&mut set.rstd.as_view_mut()),
             )
@@ -95,10 +96,11 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
             rms_norm::backward(
                 ctx,
                 stream,
+                &cfg,
                 &dy,
                 &x,
                 &gamma.as_view(),
-                &set.rstd.as_view(),
+                Some(&set.rstd.as_view()),
                 &mut dx,
                 &mut dgamma.as_view_mut(),
                 &mut ws.as_view_mut(),
@@ -125,10 +127,10 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
             layer_norm::forward(
                 ctx,
                 stream,
+                &cfg,
                 &Rows::new(x.as_view(), rows, d).unwrap(),
                 &gamma.as_view(),
                 Some(&beta),
-                1e-6,
                 &mut Rows::new(y.as_view_mut(), rows, d).unwrap(),
                 Some(&mut mean.as_view_mut()),
                 Some(&mut rstd.as_view_mut()),
@@ -158,11 +160,11 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
             layer_norm::backward(
                 ctx,
                 stream,
+                &cfg,
                 &Rows::new(dy.as_view(), rows, d).unwrap(),
                 &Rows::new(x.as_view(), rows, d).unwrap(),
                 &gamma.as_view(),
-                &mean.as_view(),
-                &rstd.as_view(),
+                Some((&mean.as_view(), &rstd.as_view())),
                 &mut Rows::new(dx.as_view_mut(), rows, d).unwrap(),
                 &mut dgamma.as_view_mut(),
                 Some(&mut dbeta),
