@@ -52,6 +52,14 @@ pub enum Error {
     /// eps must be finite and positive.
     #[error("eps must be finite and > 0, got {0}")]
     Eps(f32),
+    /// A dtype combination the kernels do not implement.
+    #[error("{what} in {dtype} with activations in {activations}: {supported}")]
+    UnsupportedDtypes {
+        what: &'static str,
+        dtype: &'static str,
+        activations: &'static str,
+        supported: &'static str,
+    },
     /// The γ offset must be finite.
     #[error("gamma offset must be finite, got {0}")]
     GammaOffset(f32),

@@ -19,7 +19,10 @@ use crate::context::{Context, Gpu};
 use crate::emulator::Emulator;
 use crate::error::{Error, Result};
 use crate::launch::group_layout;
-use crate::norm::{Backward, Forward, NormConfig, opt_ptr, validate_backward, validate_forward};
+use crate::norm::{
+    Backward, Forward, NormConfig, check_grad_dtype, opt_ptr, params_f32, validate_backward,
+    validate_forward,
+};
 use crate::tensor::{Dtype, Rows, RowsMut, RowsRef};
 
 /// f32 elements of workspace the backward needs for `rows × d` (room for dγ and dβ partials).
@@ -38,13 +41,13 @@ pub fn alloc_workspace(stream: &Arc<CudaStream>, rows: usize, d: usize) -> Resul
 /// LayerNorm forward on `stream`: writes `y` and, when given, `mean` and `rstd` (one f32 per row
 /// each, for the backward). `gamma` and `beta` (optional) have `d` elements.
 #[allow(clippy::too_many_arguments)]
-pub fn forward<T: Dtype>(
+pub fn forward<T: Dtype, P: Dtype>(
     ctx: &Context,
     stream: &CudaStream,
     cfg: &NormConfig,
     x: &RowsRef<'_, T>,
-    gamma: &CudaView<'_, T>,
-    beta: Option<&CudaView<'_, T>>,
+    gamma: &CudaView<'_, P>,
+    beta: Option<&CudaView<'_, P>>,
     y: &mut RowsMut<'_, T>,
     mean: Option<&mut CudaViewMut<'_, f32>>,
     rstd: Option<&mut CudaViewMut<'_, f32>>,
@@ -54,6 +57,7 @@ pub fn forward<T: Dtype>(
         ("rstd", rstd.as_ref().map(|r| r.len())),
     ];
     validate_forward(x, gamma.len(), beta.map(|b| b.len()), cfg, y, &stats)?;
+    let params_f32 = params_f32::<T, P>()?;
     ctx.check_context("stream", stream)?;
     ctx.check_context("x", x.data.stream())?;
     ctx.check_context("gamma", gamma.stream())?;
@@ -85,6 +89,7 @@ pub fn forward<T: Dtype>(
         mean: mean_ptr,
         rstd: rstd_ptr,
         cfg: *cfg,
+        params_f32,
     }
     .run(&Gpu { ctx, stream })
 }
@@ -95,17 +100,17 @@ pub fn forward<T: Dtype>(
 /// [`workspace_len`] f32).
 /// With `rows == 0`, `dgamma` and `dbeta` are set to zero.
 #[allow(clippy::too_many_arguments)]
-pub fn backward<T: Dtype>(
+pub fn backward<T: Dtype, P: Dtype, G: Dtype>(
     ctx: &Context,
     stream: &CudaStream,
     cfg: &NormConfig,
     dy: &RowsRef<'_, T>,
     x: &RowsRef<'_, T>,
-    gamma: &CudaView<'_, T>,
+    gamma: &CudaView<'_, P>,
     stats: Option<(&CudaView<'_, f32>, &CudaView<'_, f32>)>,
     dx: &mut RowsMut<'_, T>,
-    dgamma: &mut CudaViewMut<'_, T>,
-    dbeta: Option<&mut CudaViewMut<'_, T>>,
+    dgamma: &mut CudaViewMut<'_, G>,
+    dbeta: Option<&mut CudaViewMut<'_, G>>,
     workspace: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
     validate_backward(
@@ -125,6 +130,8 @@ pub fn backward<T: Dtype>(
         workspace.len(),
         workspace_len(x.rows, x.d),
     )?;
+    let params_f32 = params_f32::<T, P>()?;
+    check_grad_dtype::<T, P, G>()?;
     ctx.check_context("stream", stream)?;
     for (what, s) in [
         ("dy", dy.data.stream()),
@@ -167,6 +174,8 @@ pub fn backward<T: Dtype>(
         dbeta: dbeta_ptr,
         workspace: ws_ptr,
         cfg: *cfg,
+        params_f32,
+        grad_dtype: G::KERNEL,
     }
     .run(&Gpu { ctx, stream })
 }
@@ -174,12 +183,12 @@ pub fn backward<T: Dtype>(
 impl Emulator {
     /// [`forward`] on host memory, run by the CPU emulator.
     #[allow(clippy::too_many_arguments)]
-    pub fn layer_norm_forward<T: Dtype>(
+    pub fn layer_norm_forward<T: Dtype, P: Dtype>(
         &self,
         cfg: &NormConfig,
         x: &Rows<&[T]>,
-        gamma: &[T],
-        beta: Option<&[T]>,
+        gamma: &[P],
+        beta: Option<&[P]>,
         y: &mut Rows<&mut [T]>,
         mean: Option<&mut [f32]>,
         rstd: Option<&mut [f32]>,
@@ -189,6 +198,7 @@ impl Emulator {
             ("rstd", rstd.as_ref().map(|r| r.len())),
         ];
         validate_forward(x, gamma.len(), beta.map(|b| b.len()), cfg, y, &stats)?;
+        let params_f32 = params_f32::<T, P>()?;
         Forward {
             norm: Norm::Layer,
             dtype: T::KERNEL,
@@ -201,22 +211,23 @@ impl Emulator {
             mean: mean.map_or(0, |m| m.as_mut_ptr() as u64),
             rstd: rstd.map_or(0, |r| r.as_mut_ptr() as u64),
             cfg: *cfg,
+            params_f32,
         }
         .run(self)
     }
 
     /// [`backward`] on host memory, run by the CPU emulator.
     #[allow(clippy::too_many_arguments)]
-    pub fn layer_norm_backward<T: Dtype>(
+    pub fn layer_norm_backward<T: Dtype, P: Dtype, G: Dtype>(
         &self,
         cfg: &NormConfig,
         dy: &Rows<&[T]>,
         x: &Rows<&[T]>,
-        gamma: &[T],
+        gamma: &[P],
         stats: Option<(&[f32], &[f32])>,
         dx: &mut Rows<&mut [T]>,
-        dgamma: &mut [T],
-        dbeta: Option<&mut [T]>,
+        dgamma: &mut [G],
+        dbeta: Option<&mut [G]>,
         workspace: &mut [f32],
     ) -> Result<()> {
         validate_backward(
@@ -236,6 +247,8 @@ impl Emulator {
             workspace.len(),
             workspace_len(x.rows, x.d),
         )?;
+        let params_f32 = params_f32::<T, P>()?;
+        check_grad_dtype::<T, P, G>()?;
         Backward {
             norm: Norm::Layer,
             dtype: T::KERNEL,
@@ -251,6 +264,8 @@ impl Emulator {
             dbeta: dbeta.map_or(0, |b| b.as_mut_ptr() as u64),
             workspace: workspace.as_mut_ptr() as u64,
             cfg: *cfg,
+            params_f32,
+            grad_dtype: G::KERNEL,
         }
         .run(self)
     }

@@ -10,7 +10,7 @@ use crate::launch::{
     Executor, Kernel, ROW_KERNEL_SHARED_BYTES, Shape, check_eps, group_layout, launch_column_sum,
     packs_fit, row_tile,
 };
-use crate::tensor::{Buffer, Rows, expect_len};
+use crate::tensor::{Buffer, Dtype, Rows, expect_len};
 
 /// Device address of an optional buffer (0 when absent) and the guard ordering it on `stream`.
 macro_rules! opt_ptr {
@@ -83,6 +83,8 @@ pub(crate) struct Forward {
     pub mean: u64,
     pub rstd: u64,
     pub cfg: NormConfig,
+    /// γ and β stored as f32 rather than in `dtype`.
+    pub params_f32: bool,
 }
 
 /// A validated backward. `rstd == 0`: recompute the statistics from x. `dbeta == 0`: no dβ. The workspace holds the dγ partials, then (with
@@ -102,6 +104,10 @@ pub(crate) struct Backward {
     pub dbeta: u64,
     pub workspace: u64,
     pub cfg: NormConfig,
+    /// γ stored as f32 rather than in `dtype`.
+    pub params_f32: bool,
+    /// Storage of dγ and dβ.
+    pub grad_dtype: KernelDtype,
 }
 
 fn inv(d: usize) -> f32 {
@@ -131,7 +137,7 @@ impl Forward {
             eps: self.cfg.eps,
             inv_d: inv(d),
             gamma_offset: self.cfg.gamma_offset,
-            _pad: 0,
+            params_f32: self.params_f32 as u32,
         };
         launch_rows(exec, dtype, vec, d, rows, |variant| {
             Kernel::NormForward(self.norm, variant, params)
@@ -173,15 +179,22 @@ impl Backward {
                 inv_d: inv(d),
                 gamma_offset: self.cfg.gamma_offset,
                 eps: self.cfg.eps,
-                _pad: 0,
+                params_f32: self.params_f32 as u32,
             };
             launch_rows(exec, dtype, vec, d, groups, |variant| {
                 Kernel::NormBackward(self.norm, variant, params)
             })?;
         }
-        launch_column_sum(exec, dtype, self.workspace, self.dgamma, groups, d)?;
+        launch_column_sum(
+            exec,
+            self.grad_dtype,
+            self.workspace,
+            self.dgamma,
+            groups,
+            d,
+        )?;
         if self.dbeta != 0 {
-            launch_column_sum(exec, dtype, dbeta_partials, self.dbeta, groups, d)?;
+            launch_column_sum(exec, self.grad_dtype, dbeta_partials, self.dbeta, groups, d)?;
         }
         Ok(())
     }
@@ -210,6 +223,36 @@ fn launch_rows(
             shared_bytes: ROW_KERNEL_SHARED_BYTES,
         },
     )
+}
+
+/// Whether parameters stored as `P` next to activations stored as `T` are f32 parameters (mixed
+/// precision). Supported: `P == T`, or `P == f32`.
+pub(crate) fn params_f32<T: Dtype, P: Dtype>() -> Result<bool> {
+    if P::KERNEL == T::KERNEL {
+        Ok(false)
+    } else if P::KERNEL == KernelDtype::F32 {
+        Ok(true)
+    } else {
+        Err(Error::UnsupportedDtypes {
+            what: "gamma/beta",
+            dtype: P::KERNEL.name(),
+            activations: T::KERNEL.name(),
+            supported: "parameters must be in the activations' dtype or f32",
+        })
+    }
+}
+
+/// Checks that gradients stored as `G` fit parameters stored as `P`: `G == P`, or `G == f32`.
+pub(crate) fn check_grad_dtype<T: Dtype, P: Dtype, G: Dtype>() -> Result<()> {
+    if G::KERNEL == P::KERNEL || G::KERNEL == KernelDtype::F32 {
+        return Ok(());
+    }
+    Err(Error::UnsupportedDtypes {
+        what: "dgamma/dbeta",
+        dtype: G::KERNEL.name(),
+        activations: T::KERNEL.name(),
+        supported: "parameter gradients must be in the parameters' dtype or f32",
+    })
 }
 
 /// Shapes and lengths of a forward: `y` like `x`, `gamma` (and `beta`) of `d`, statistics of `rows`.

@@ -17,7 +17,10 @@ use crate::context::{Context, Gpu};
 use crate::emulator::Emulator;
 use crate::error::{Error, Result};
 use crate::launch::group_layout;
-use crate::norm::{Backward, Forward, NormConfig, opt_ptr, validate_backward, validate_forward};
+use crate::norm::{
+    Backward, Forward, NormConfig, check_grad_dtype, opt_ptr, params_f32, validate_backward,
+    validate_forward,
+};
 use crate::tensor::{Dtype, Rows, RowsMut, RowsRef};
 
 /// f32 elements of workspace the backward needs for `rows × d`.
@@ -35,12 +38,12 @@ pub fn alloc_workspace(stream: &Arc<CudaStream>, rows: usize, d: usize) -> Resul
 
 /// RMSNorm forward on `stream`: writes `y` and, when given, `rstd` (one f32 per row, for the
 /// backward). `gamma` has `d` elements; `x` and `y` have the same shape and their own strides.
-pub fn forward<T: Dtype>(
+pub fn forward<T: Dtype, P: Dtype>(
     ctx: &Context,
     stream: &CudaStream,
     cfg: &NormConfig,
     x: &RowsRef<'_, T>,
-    gamma: &CudaView<'_, T>,
+    gamma: &CudaView<'_, P>,
     y: &mut RowsMut<'_, T>,
     rstd: Option<&mut CudaViewMut<'_, f32>>,
 ) -> Result<()> {
@@ -52,6 +55,7 @@ pub fn forward<T: Dtype>(
         y,
         &[("rstd", rstd.as_ref().map(|r| r.len()))],
     )?;
+    let params_f32 = params_f32::<T, P>()?;
     ctx.check_context("stream", stream)?;
     ctx.check_context("x", x.data.stream())?;
     ctx.check_context("gamma", gamma.stream())?;
@@ -75,6 +79,7 @@ pub fn forward<T: Dtype>(
         mean: 0,
         rstd: rstd_ptr,
         cfg: *cfg,
+        params_f32,
     }
     .run(&Gpu { ctx, stream })
 }
@@ -84,16 +89,16 @@ pub fn forward<T: Dtype>(
 /// reduction per row) — using `workspace` (at least [`workspace_len`] f32) for the dγ partials.
 /// With `rows == 0`, `dgamma` is set to zero.
 #[allow(clippy::too_many_arguments)]
-pub fn backward<T: Dtype>(
+pub fn backward<T: Dtype, P: Dtype, G: Dtype>(
     ctx: &Context,
     stream: &CudaStream,
     cfg: &NormConfig,
     dy: &RowsRef<'_, T>,
     x: &RowsRef<'_, T>,
-    gamma: &CudaView<'_, T>,
+    gamma: &CudaView<'_, P>,
     rstd: Option<&CudaView<'_, f32>>,
     dx: &mut RowsMut<'_, T>,
-    dgamma: &mut CudaViewMut<'_, T>,
+    dgamma: &mut CudaViewMut<'_, G>,
     workspace: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
     validate_backward(
@@ -106,6 +111,8 @@ pub fn backward<T: Dtype>(
         workspace.len(),
         workspace_len(x.rows, x.d),
     )?;
+    let params_f32 = params_f32::<T, P>()?;
+    check_grad_dtype::<T, P, G>()?;
     ctx.check_context("stream", stream)?;
     for (what, s) in [
         ("dy", dy.data.stream()),
@@ -142,17 +149,19 @@ pub fn backward<T: Dtype>(
         dbeta: 0,
         workspace: ws_ptr,
         cfg: *cfg,
+        params_f32,
+        grad_dtype: G::KERNEL,
     }
     .run(&Gpu { ctx, stream })
 }
 
 impl Emulator {
     /// [`forward`] on host memory, run by the CPU emulator.
-    pub fn rms_norm_forward<T: Dtype>(
+    pub fn rms_norm_forward<T: Dtype, P: Dtype>(
         &self,
         cfg: &NormConfig,
         x: &Rows<&[T]>,
-        gamma: &[T],
+        gamma: &[P],
         y: &mut Rows<&mut [T]>,
         rstd: Option<&mut [f32]>,
     ) -> Result<()> {
@@ -164,6 +173,7 @@ impl Emulator {
             y,
             &[("rstd", rstd.as_ref().map(|r| r.len()))],
         )?;
+        let params_f32 = params_f32::<T, P>()?;
         Forward {
             norm: Norm::Rms,
             dtype: T::KERNEL,
@@ -176,21 +186,22 @@ impl Emulator {
             mean: 0,
             rstd: rstd.map_or(0, |r| r.as_mut_ptr() as u64),
             cfg: *cfg,
+            params_f32,
         }
         .run(self)
     }
 
     /// [`backward`] on host memory, run by the CPU emulator.
     #[allow(clippy::too_many_arguments)]
-    pub fn rms_norm_backward<T: Dtype>(
+    pub fn rms_norm_backward<T: Dtype, P: Dtype, G: Dtype>(
         &self,
         cfg: &NormConfig,
         dy: &Rows<&[T]>,
         x: &Rows<&[T]>,
-        gamma: &[T],
+        gamma: &[P],
         rstd: Option<&[f32]>,
         dx: &mut Rows<&mut [T]>,
-        dgamma: &mut [T],
+        dgamma: &mut [G],
         workspace: &mut [f32],
     ) -> Result<()> {
         validate_backward(
@@ -203,6 +214,8 @@ impl Emulator {
             workspace.len(),
             workspace_len(x.rows, x.d),
         )?;
+        let params_f32 = params_f32::<T, P>()?;
+        check_grad_dtype::<T, P, G>()?;
         Backward {
             norm: Norm::Rms,
             dtype: T::KERNEL,
@@ -218,6 +231,8 @@ impl Emulator {
             dbeta: 0,
             workspace: workspace.as_mut_ptr() as u64,
             cfg: *cfg,
+            params_f32,
+            grad_dtype: G::KERNEL,
         }
         .run(self)
     }

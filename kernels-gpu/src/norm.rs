@@ -42,7 +42,8 @@ pub struct ForwardParams {
     pub inv_d: f32,
     /// Added to γ in fp32 (`y = x̂·(γ + offset)`, Gemma's `1 + γ`); 0 for plain γ.
     pub gamma_offset: f32,
-    pub _pad: u32,
+    /// 1: γ and β are stored as f32 (whatever the activations' dtype); 0: in the activations' dtype.
+    pub params_f32: u32,
 }
 
 /// Launch parameters of the backward (dx and the dγ, dβ partials).
@@ -73,7 +74,8 @@ pub struct BackwardParams {
     pub gamma_offset: f32,
     /// For recomputing the statistics when `rstd == 0`.
     pub eps: f32,
-    pub _pad: u32,
+    /// 1: γ is stored as f32; 0: in the activations' dtype.
+    pub params_f32: u32,
 }
 
 /// Writes the row's statistics (thread 0 only).
@@ -153,6 +155,36 @@ unsafe fn row_stats_stream<T: Element, const VEC: bool, const CENTERED: bool>(
     (mean, arch::rsqrt(sum_sq * inv_d + eps))
 }
 
+/// One access worth of a per-feature parameter (γ or β) starting at element `elem`, in f32:
+/// stored as f32 (`params_f32 != 0`, mixed precision) or in the activations' dtype `T`; `offset`
+/// is added in f32 (γ's offset; 0 for β). Elements past the access's length are 0.
+///
+/// # Safety
+/// The access lies inside the parameter vector, aligned as `VEC` requires for its storage.
+#[inline(always)]
+unsafe fn param<T: Element, const VEC: bool>(
+    base: u64,
+    elem: usize,
+    params_f32: u32,
+    offset: f32,
+) -> [f32; 8] {
+    let len = Access::<T, VEC>::LEN;
+    let mut v = if params_f32 != 0 {
+        unsafe { load_f32s::<VEC>(base, elem, len) }
+    } else {
+        let pack = unsafe { Access::<T, VEC>::load(base, elem) };
+        let mut v = [0.0f32; 8];
+        for i in 0..len {
+            v[i] = T::get(&pack, i);
+        }
+        v
+    };
+    for x in v.iter_mut().take(len) {
+        *x += offset;
+    }
+    v
+}
+
 /// `y` of one element: `(x−μ)·rstd·γ (+ β)`.
 #[inline(always)]
 fn normalize<const CENTERED: bool>(x: f32, mean: f32, rstd: f32, gamma: f32, beta: f32) -> f32 {
@@ -190,13 +222,13 @@ unsafe fn forward_regs<T: Element, const VEC: bool, const VPT: usize, const CENT
     let (tid, threads, d) = (arch::thread_idx(), arch::block_dim(), p.d as usize);
     let elem = |k: usize| (tid + k * threads) * len;
     // γ and β are the same for every row: load them once per block.
-    let mut gamma: [Pack; VPT] = [[0; 4]; VPT];
-    let mut beta: [Pack; VPT] = [[0; 4]; VPT];
+    let mut gamma = [[0.0f32; 8]; VPT];
+    let mut beta = [[0.0f32; 8]; VPT];
     for k in 0..VPT {
         if elem(k) < d {
-            gamma[k] = unsafe { Access::<T, VEC>::load(p.gamma, elem(k)) };
+            gamma[k] = unsafe { param::<T, VEC>(p.gamma, elem(k), p.params_f32, p.gamma_offset) };
             if CENTERED && p.beta != 0 {
-                beta[k] = unsafe { Access::<T, VEC>::load(p.beta, elem(k)) };
+                beta[k] = unsafe { param::<T, VEC>(p.beta, elem(k), p.params_f32, 0.0) };
             }
         }
     }
@@ -235,8 +267,8 @@ unsafe fn forward_regs<T: Element, const VEC: bool, const VPT: usize, const CENT
                         T::get(&x[k], i),
                         mean,
                         rstd,
-                        T::get(&gamma[k], i) + p.gamma_offset,
-                        T::get(&beta[k], i),
+                        gamma[k][i],
+                        beta[k][i],
                     );
                     T::set(&mut y, i, v);
                 }
@@ -263,24 +295,18 @@ unsafe fn forward_stream<T: Element, const VEC: bool, const CENTERED: bool>(p: &
         let mut a = tid;
         while a < accesses {
             let x = unsafe { Access::<T, VEC>::load(x_row, a * len) };
-            let g = unsafe { Access::<T, VEC>::load(p.gamma, a * len) };
+            let g = unsafe { param::<T, VEC>(p.gamma, a * len, p.params_f32, p.gamma_offset) };
             let b = if CENTERED && p.beta != 0 {
-                unsafe { Access::<T, VEC>::load(p.beta, a * len) }
+                unsafe { param::<T, VEC>(p.beta, a * len, p.params_f32, 0.0) }
             } else {
-                [0; 4]
+                [0.0; 8]
             };
             let mut y: Pack = [0; 4];
             for i in 0..len {
                 T::set(
                     &mut y,
                     i,
-                    normalize::<CENTERED>(
-                        T::get(&x, i),
-                        mean,
-                        rstd,
-                        T::get(&g, i) + p.gamma_offset,
-                        T::get(&b, i),
-                    ),
+                    normalize::<CENTERED>(T::get(&x, i), mean, rstd, g[i], b[i]),
                 );
             }
             unsafe { Access::<T, VEC>::store(y_row, a * len, &y) };
@@ -373,10 +399,10 @@ unsafe fn backward_regs<T: Element, const VEC: bool, const VPT: usize, const CEN
     let (tid, threads, d) = (arch::thread_idx(), arch::block_dim(), p.d as usize);
     let elem = |k: usize| (tid + k * threads) * len;
     let with_dbeta = CENTERED && p.dbeta_partials != 0;
-    let mut gamma: [Pack; VPT] = [[0; 4]; VPT];
+    let mut gamma = [[0.0f32; 8]; VPT];
     for (k, g) in gamma.iter_mut().enumerate() {
         if elem(k) < d {
-            *g = unsafe { Access::<T, VEC>::load(p.gamma, elem(k)) };
+            *g = unsafe { param::<T, VEC>(p.gamma, elem(k), p.params_f32, p.gamma_offset) };
         }
     }
     let rows = p.rows as usize;
@@ -425,7 +451,7 @@ unsafe fn backward_regs<T: Element, const VEC: bool, const VPT: usize, const CEN
             let (mut sum_dy_hat, mut dot) = (0.0f32, 0.0f32);
             for k in 0..VPT {
                 for i in 0..len {
-                    let dy_hat = T::get(&dy[k], i) * (T::get(&gamma[k], i) + p.gamma_offset);
+                    let dy_hat = T::get(&dy[k], i) * gamma[k][i];
                     sum_dy_hat += dy_hat;
                     // Accesses past d hold dy = 0, so they add nothing to either sum.
                     dot += dy_hat * ((T::get(&x[k], i) - mean) * rstd);
@@ -440,7 +466,7 @@ unsafe fn backward_regs<T: Element, const VEC: bool, const VPT: usize, const CEN
                     for i in 0..len {
                         let x_hat = (T::get(&x[k], i) - mean) * rstd;
                         let dy_i = T::get(&dy[k], i);
-                        let dy_hat = dy_i * (T::get(&gamma[k], i) + p.gamma_offset);
+                        let dy_hat = dy_i * gamma[k][i];
                         T::set(&mut dx, i, rstd * (dy_hat - mean_dy_hat - x_hat * mean_dot));
                         dgamma[k][i] += dy_i * x_hat;
                         if with_dbeta {
@@ -496,9 +522,9 @@ unsafe fn backward_stream<T: Element, const VEC: bool, const CENTERED: bool>(p: 
             while a < accesses {
                 let x = unsafe { Access::<T, VEC>::load(x_row, a * len) };
                 let dy = unsafe { Access::<T, VEC>::load(dy_row, a * len) };
-                let g = unsafe { Access::<T, VEC>::load(p.gamma, a * len) };
+                let g = unsafe { param::<T, VEC>(p.gamma, a * len, p.params_f32, p.gamma_offset) };
                 for i in 0..len {
-                    let dy_hat = T::get(&dy, i) * (T::get(&g, i) + p.gamma_offset);
+                    let dy_hat = T::get(&dy, i) * g[i];
                     sum_dy_hat += dy_hat;
                     dot += dy_hat * ((T::get(&x, i) - mean) * rstd);
                 }
@@ -511,7 +537,7 @@ unsafe fn backward_stream<T: Element, const VEC: bool, const CENTERED: bool>(p: 
             while a < accesses {
                 let x = unsafe { Access::<T, VEC>::load(x_row, a * len) };
                 let dy = unsafe { Access::<T, VEC>::load(dy_row, a * len) };
-                let g = unsafe { Access::<T, VEC>::load(p.gamma, a * len) };
+                let g = unsafe { param::<T, VEC>(p.gamma, a * len, p.params_f32, p.gamma_offset) };
                 let (mut dgamma, mut dbeta) = if row == first {
                     ([0.0f32; 8], [0.0f32; 8])
                 } else {
@@ -532,9 +558,7 @@ unsafe fn backward_stream<T: Element, const VEC: bool, const CENTERED: bool>(p: 
                     T::set(
                         &mut dx,
                         i,
-                        rstd * (dy_i * (T::get(&g, i) + p.gamma_offset)
-                            - mean_dy_hat
-                            - x_hat * mean_dot),
+                        rstd * (dy_i * g[i] - mean_dy_hat - x_hat * mean_dot),
                     );
                     dgamma[i] += dy_i * x_hat;
                     dbeta[i] += dy_i;

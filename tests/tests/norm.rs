@@ -1065,3 +1065,329 @@ fn gpu_rejects_buffers_of_another_context() {
     );
     assert!(stream.clone_dtoh(&y).unwrap().iter().all(|v| v.is_nan()));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Mixed precision: bf16 activations with f32 γ/β and f32 dγ/dβ (PyTorch's CUDA path rejects it).
+
+/// Outputs of one mixed-precision forward + backward: `(y, dx, dgamma, dbeta)`.
+type MixedOutputs = (Vec<bf16>, Vec<bf16>, Vec<f32>, Vec<f32>);
+
+/// Checks a mixed-precision run of `kind` against the reference on the same inputs.
+#[allow(clippy::too_many_arguments)]
+fn check_mixed(
+    kind: Kind,
+    rows: usize,
+    d: usize,
+    x: &[bf16],
+    dy: &[bf16],
+    gamma: &[f32],
+    beta: &[f32],
+    out: &MixedOutputs,
+    what: &str,
+) {
+    let (xs, dys) = (to_f64(x), to_f64(dy));
+    let (g, b): (Vec<f64>, Vec<f64>) = (
+        gamma.iter().map(|&v| v as f64).collect(),
+        beta.iter().map(|&v| v as f64).collect(),
+    );
+    let eps = EPS as f64;
+    let (y_ref, dx_ref, dgamma_ref, dbeta_ref) = match kind {
+        Kind::Rms => {
+            let (y, _) = reference::forward(&xs, &g, rows, d, eps);
+            let (dx, dgamma) = reference::backward(&dys, &xs, &g, rows, d, eps);
+            (y, dx, dgamma, None)
+        }
+        Kind::Layer { .. } => {
+            let (y, _, _) = layer_reference::forward(&xs, &g, Some(&b), rows, d, eps);
+            let (dx, dgamma, dbeta) = layer_reference::backward(&dys, &xs, &g, rows, d, eps);
+            (y, dx, dgamma, Some(dbeta))
+        }
+    };
+    let (rel, abs) = bf16::TOLERANCE;
+    let (rel32, abs32) = f32::TOLERANCE;
+    assert_close::<bf16>(
+        &format!("{what} {kind:?}: y"),
+        &to_f64(&out.0),
+        &y_ref,
+        rel,
+        abs * rms(&y_ref),
+    );
+    assert_close::<bf16>(
+        &format!("{what} {kind:?}: dx"),
+        &to_f64(&out.1),
+        &dx_ref,
+        rel,
+        abs * rms(&dx_ref).max(rms(&dys)),
+    );
+    // f32 gradients: only f32 accumulation error, no final rounding to bf16.
+    let slack = 1e-4 * (rows as f64).sqrt();
+    assert_close::<f32>(
+        &format!("{what} {kind:?}: dgamma (f32)"),
+        &to_f64(&out.2),
+        &dgamma_ref,
+        rel32 + slack,
+        (abs32 + slack) * rms(&dgamma_ref),
+    );
+    if let Some(dbeta_ref) = dbeta_ref {
+        assert_close::<f32>(
+            &format!("{what} {kind:?}: dbeta (f32)"),
+            &to_f64(&out.3),
+            &dbeta_ref,
+            rel32 + slack,
+            (abs32 + slack) * rms(&dbeta_ref),
+        );
+    }
+}
+
+fn mixed_inputs(
+    rng: &mut Rng,
+    rows: usize,
+    d: usize,
+) -> (Vec<bf16>, Vec<bf16>, Vec<f32>, Vec<f32>) {
+    // γ with more precision than bf16 holds.
+    let gamma: Vec<f32> = (0..d)
+        .map(|_| rng.uniform(0.5, 1.5) as f32 + 1e-4)
+        .collect();
+    let beta: Vec<f32> = (0..d).map(|_| rng.uniform(-0.5, 0.5) as f32).collect();
+    (
+        rng.vec(rows * d, -1.0, 3.0),
+        rng.vec(rows * d, -1.0, 1.0),
+        gamma,
+        beta,
+    )
+}
+
+#[test]
+fn emulator_mixed_precision_parameters() {
+    let mut rng = Rng::fresh("emulator_mixed_precision");
+    let emu = Emulator::new();
+    let cfg = NormConfig::new(EPS);
+    for kind in [Kind::Rms, Kind::Layer { bias: true }] {
+        for (rows, d) in [(19, 136), (3, 127)] {
+            let (x, dy, gamma, beta) = mixed_inputs(&mut rng, rows, d);
+            let (mut y, mut dx) = (
+                vec![bf16::poison(); rows * d],
+                vec![bf16::poison(); rows * d],
+            );
+            let (mut dgamma, mut dbeta) = (vec![f32::NAN; d], vec![f32::NAN; d]);
+            let (mut mean, mut rstd) = (vec![f32::NAN; rows], vec![f32::NAN; rows]);
+            let ws_len = layer_norm::workspace_len(rows, d);
+            let mut ws = aligned_f32(ws_len);
+            let (xv, dyv) = (
+                Rows::new(&x[..], rows, d).unwrap(),
+                Rows::new(&dy[..], rows, d).unwrap(),
+            );
+            let mut yv = Rows::new(&mut y[..], rows, d).unwrap();
+            let mut dxv = Rows::new(&mut dx[..], rows, d).unwrap();
+            let ws = floats_mut(&mut ws, ws_len);
+            match kind {
+                Kind::Rms => {
+                    emu.rms_norm_forward(&cfg, &xv, &gamma, &mut yv, Some(&mut rstd))
+                        .unwrap();
+                    emu.rms_norm_backward(
+                        &cfg,
+                        &dyv,
+                        &xv,
+                        &gamma,
+                        Some(&rstd),
+                        &mut dxv,
+                        &mut dgamma,
+                        ws,
+                    )
+                    .unwrap();
+                }
+                Kind::Layer { .. } => {
+                    emu.layer_norm_forward(
+                        &cfg,
+                        &xv,
+                        &gamma,
+                        Some(&beta),
+                        &mut yv,
+                        Some(&mut mean),
+                        Some(&mut rstd),
+                    )
+                    .unwrap();
+                    emu.layer_norm_backward(
+                        &cfg,
+                        &dyv,
+                        &xv,
+                        &gamma,
+                        Some((&mean, &rstd)),
+                        &mut dxv,
+                        &mut dgamma,
+                        Some(&mut dbeta),
+                        ws,
+                    )
+                    .unwrap();
+                }
+            }
+            check_mixed(
+                kind,
+                rows,
+                d,
+                &x,
+                &dy,
+                &gamma,
+                &beta,
+                &(y, dx, dgamma, dbeta),
+                "emulator mixed",
+            );
+        }
+    }
+}
+
+#[test]
+fn unsupported_dtype_combinations_are_rejected() {
+    let emu = Emulator::new();
+    let cfg = NormConfig::new(EPS);
+    let (rows, d) = (2, 8);
+    let x = vec![bf16::ONE; rows * d];
+    let mut y = vec![bf16::poison(); rows * d];
+    let gamma_f16 = vec![f16::ONE; d];
+    let r = emu.rms_norm_forward(
+        &cfg,
+        &Rows::new(&x[..], rows, d).unwrap(),
+        &gamma_f16,
+        &mut Rows::new(&mut y[..], rows, d).unwrap(),
+        None,
+    );
+    assert!(
+        matches!(
+            r,
+            Err(Error::UnsupportedDtypes {
+                what: "gamma/beta",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    let gamma_f32 = vec![1.0f32; d];
+    let mut dgamma_bf16 = vec![bf16::poison(); d];
+    let mut dx = vec![bf16::poison(); rows * d];
+    let ws_len = rms_norm::workspace_len(rows, d);
+    let mut ws = aligned_f32(ws_len);
+    let r = emu.rms_norm_backward(
+        &cfg,
+        &Rows::new(&x[..], rows, d).unwrap(),
+        &Rows::new(&x[..], rows, d).unwrap(),
+        &gamma_f32,
+        None,
+        &mut Rows::new(&mut dx[..], rows, d).unwrap(),
+        &mut dgamma_bf16,
+        floats_mut(&mut ws, ws_len),
+    );
+    assert!(
+        matches!(
+            r,
+            Err(Error::UnsupportedDtypes {
+                what: "dgamma/dbeta",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert!(
+        same_bits(&y, &vec![bf16::poison(); rows * d])
+            && same_bits(&dx, &vec![bf16::poison(); rows * d])
+    );
+}
+
+#[test]
+fn gpu_mixed_precision_parameters() {
+    let Some((ctx, stream)) = gpu() else { return };
+    let mut rng = Rng::fresh("gpu_mixed_precision");
+    let cfg = NormConfig::new(EPS);
+    for kind in [Kind::Rms, Kind::Layer { bias: true }] {
+        for (rows, d) in [(4096, 4096), (1000, 4097), (16, 65536)] {
+            let (x, dy, gamma, beta) = mixed_inputs(&mut rng, rows, d);
+            let up = |v: &[bf16]| stream.clone_htod(v).unwrap();
+            let (xd, dyd) = (up(&x), up(&dy));
+            let (gd, bd) = (
+                stream.clone_htod(&gamma).unwrap(),
+                stream.clone_htod(&beta).unwrap(),
+            );
+            let (mut yd, mut dxd) = (
+                up(&vec![bf16::poison(); rows * d]),
+                up(&vec![bf16::poison(); rows * d]),
+            );
+            let mut dgamma = stream.clone_htod(&vec![f32::NAN; d]).unwrap();
+            let mut dbeta = stream.clone_htod(&vec![f32::NAN; d]).unwrap();
+            let mut mean = stream.alloc_zeros::<f32>(rows).unwrap();
+            let mut rstd = stream.alloc_zeros::<f32>(rows).unwrap();
+            let mut ws = layer_norm::alloc_workspace(stream, rows, d).unwrap();
+            let (xv, dyv) = (
+                Rows::new(xd.as_view(), rows, d).unwrap(),
+                Rows::new(dyd.as_view(), rows, d).unwrap(),
+            );
+            let mut yv = Rows::new(yd.as_view_mut(), rows, d).unwrap();
+            let mut dxv = Rows::new(dxd.as_view_mut(), rows, d).unwrap();
+            match kind {
+                Kind::Rms => {
+                    rms_norm::forward(
+                        ctx,
+                        stream,
+                        &cfg,
+                        &xv,
+                        &gd.as_view(),
+                        &mut yv,
+                        Some(&mut rstd.as_view_mut()),
+                    )
+                    .unwrap();
+                    let rstd_view = rstd.as_view();
+                    rms_norm::backward(
+                        ctx,
+                        stream,
+                        &cfg,
+                        &dyv,
+                        &xv,
+                        &gd.as_view(),
+                        Some(&rstd_view),
+                        &mut dxv,
+                        &mut dgamma.as_view_mut(),
+                        &mut ws.as_view_mut(),
+                    )
+                    .unwrap();
+                }
+                Kind::Layer { .. } => {
+                    let beta_view = bd.as_view();
+                    layer_norm::forward(
+                        ctx,
+                        stream,
+                        &cfg,
+                        &xv,
+                        &gd.as_view(),
+                        Some(&beta_view),
+                        &mut yv,
+                        Some(&mut mean.as_view_mut()),
+                        Some(&mut rstd.as_view_mut()),
+                    )
+                    .unwrap();
+                    let (mean_view, rstd_view) = (mean.as_view(), rstd.as_view());
+                    let mut dbeta_view = dbeta.as_view_mut();
+                    layer_norm::backward(
+                        ctx,
+                        stream,
+                        &cfg,
+                        &dyv,
+                        &xv,
+                        &gd.as_view(),
+                        Some((&mean_view, &rstd_view)),
+                        &mut dxv,
+                        &mut dgamma.as_view_mut(),
+                        Some(&mut dbeta_view),
+                        &mut ws.as_view_mut(),
+                    )
+                    .unwrap();
+                }
+            }
+            stream.synchronize().unwrap();
+            let out = (
+                stream.clone_dtoh(&yd).unwrap(),
+                stream.clone_dtoh(&dxd).unwrap(),
+                stream.clone_dtoh(&dgamma).unwrap(),
+                stream.clone_dtoh(&dbeta).unwrap(),
+            );
+            check_mixed(kind, rows, d, &x, &dy, &gamma, &beta, &out, "gpu mixed");
+        }
+    }
+}
