@@ -63,6 +63,30 @@ struct Call {
 }
 
 impl Call {
+    fn new<T: Dtype>(
+        family: Family,
+        act: Activation,
+        (rows, d): (usize, usize),
+        inputs: Vec<(u64, usize)>,
+        outputs: Vec<(u64, usize)>,
+    ) -> Self {
+        Call {
+            family,
+            act,
+            dtype: T::KERNEL,
+            rows,
+            d,
+            inputs,
+            outputs,
+            dbias: None,
+        }
+    }
+
+    /// Also writes dbias at `dbias.0`, through the workspace at `dbias.1`.
+    fn with_dbias(self, dbias: Option<(u64, u64)>) -> Self {
+        Call { dbias, ..self }
+    }
+
     fn run(self, exec: &dyn Executor) -> Result<()> {
         let (rows, d) = (self.rows, self.d);
         let (rows_per_group, groups) = group_layout(rows);
@@ -194,16 +218,7 @@ pub fn forward<T: Dtype>(
     )?;
     let (xa, _x) = dev(x, stream);
     let (ya, _y) = dev_mut(y, stream);
-    let call = Call {
-        family: Family::Forward,
-        act,
-        dtype: T::KERNEL,
-        rows: x.rows,
-        d: x.d,
-        inputs: vec![xa],
-        outputs: vec![ya],
-        dbias: None,
-    };
+    let call = Call::new::<T>(Family::Forward, act, (x.rows, x.d), vec![xa], vec![ya]);
     call.run(&Gpu { ctx, stream })
 }
 
@@ -230,16 +245,13 @@ pub fn backward<T: Dtype>(
     let (dya, _dy) = dev(dy, stream);
     let (pa, _p) = dev(preact, stream);
     let (dxa, _dx) = dev_mut(dx, stream);
-    let call = Call {
-        family: Family::Backward,
+    let call = Call::new::<T>(
+        Family::Backward,
         act,
-        dtype: T::KERNEL,
-        rows: dy.rows,
-        d: dy.d,
-        inputs: vec![dya, pa],
-        outputs: vec![dxa],
-        dbias: None,
-    };
+        (dy.rows, dy.d),
+        vec![dya, pa],
+        vec![dxa],
+    );
     call.run(&Gpu { ctx, stream })
 }
 
@@ -259,16 +271,13 @@ pub fn backward_in_place<T: Dtype>(
     )?;
     let (pa, _p) = dev(preact, stream);
     let (dya, _dy) = dev_mut(dy, stream);
-    let call = Call {
-        family: Family::Backward,
+    let call = Call::new::<T>(
+        Family::Backward,
         act,
-        dtype: T::KERNEL,
-        rows: preact.rows,
-        d: preact.d,
-        inputs: vec![dya, pa],
-        outputs: vec![dya],
-        dbias: None,
-    };
+        (preact.rows, preact.d),
+        vec![dya, pa],
+        vec![dya],
+    );
     call.run(&Gpu { ctx, stream })
 }
 
@@ -302,16 +311,14 @@ pub fn backward_dbias<T: Dtype>(
     let (dxa, _dx) = dev_mut(dx, stream);
     let (dba, _db) = dbias.device_ptr_mut(stream);
     let (wsa, _ws) = workspace.device_ptr_mut(stream);
-    let call = Call {
-        family: Family::BackwardDbias,
+    let call = Call::new::<T>(
+        Family::BackwardDbias,
         act,
-        dtype: T::KERNEL,
-        rows: dy.rows,
-        d: dy.d,
-        inputs: vec![dya, pa],
-        outputs: vec![dxa],
-        dbias: Some((dba, wsa)),
-    };
+        (dy.rows, dy.d),
+        vec![dya, pa],
+        vec![dxa],
+    )
+    .with_dbias(Some((dba, wsa)));
     call.run(&Gpu { ctx, stream })
 }
 
@@ -358,16 +365,13 @@ pub fn gated_forward<T: Dtype>(
     let (aa, _a) = dev(a, stream);
     let (ba, _b) = dev(b, stream);
     let (ha, _h) = dev_mut(h, stream);
-    let call = Call {
-        family: Family::GatedForward,
+    let call = Call::new::<T>(
+        Family::GatedForward,
         act,
-        dtype: T::KERNEL,
-        rows: a.rows,
-        d: a.d,
-        inputs: vec![aa, ba],
-        outputs: vec![ha],
-        dbias: None,
-    };
+        (a.rows, a.d),
+        vec![aa, ba],
+        vec![ha],
+    );
     call.run(&Gpu { ctx, stream })
 }
 
@@ -415,16 +419,13 @@ pub fn gated_backward<T: Dtype>(
     let (ba, _b) = dev(b, stream);
     let (daa, _da) = dev_mut(da, stream);
     let (dba, _db) = dev_mut(db, stream);
-    let call = Call {
-        family: Family::GatedBackward,
+    let call = Call::new::<T>(
+        Family::GatedBackward,
         act,
-        dtype: T::KERNEL,
-        rows: dh.rows,
-        d: dh.d,
-        inputs: vec![dha, aa, ba],
-        outputs: vec![daa, dba],
-        dbias: None,
-    };
+        (dh.rows, dh.d),
+        vec![dha, aa, ba],
+        vec![daa, dba],
+    );
     call.run(&Gpu { ctx, stream })
 }
 
@@ -459,16 +460,13 @@ pub fn gated_forward_packed<T: Dtype>(
     let (aba, _ab) = dev(ab, stream);
     let (rows, d) = (h.rows, h.d);
     let (ha, _h) = dev_mut(h, stream);
-    let call = Call {
-        family: Family::GatedForward,
+    let call = Call::new::<T>(
+        Family::GatedForward,
         act,
-        dtype: T::KERNEL,
-        rows,
-        d,
-        inputs: halves(aba, d, T::KERNEL.bytes()).to_vec(),
-        outputs: vec![ha],
-        dbias: None,
-    };
+        (rows, d),
+        halves(aba, d, T::KERNEL.bytes()).to_vec(),
+        vec![ha],
+    );
     call.run(&Gpu { ctx, stream })
 }
 
@@ -498,16 +496,13 @@ pub fn gated_backward_packed<T: Dtype>(
     let (daba, _dab) = dev_mut(dab, stream);
     let (rows, d, bytes) = (dh.rows, dh.d, T::KERNEL.bytes());
     let [a, b] = halves(aba, d, bytes);
-    let call = Call {
-        family: Family::GatedBackward,
+    let call = Call::new::<T>(
+        Family::GatedBackward,
         act,
-        dtype: T::KERNEL,
-        rows,
-        d,
-        inputs: vec![dha, a, b],
-        outputs: halves(daba, d, bytes).to_vec(),
-        dbias: None,
-    };
+        (rows, d),
+        vec![dha, a, b],
+        halves(daba, d, bytes).to_vec(),
+    );
     call.run(&Gpu { ctx, stream })
 }
 
@@ -520,16 +515,13 @@ impl Emulator {
         y: &mut Rows<&mut [T]>,
     ) -> Result<()> {
         same_shape("y", x, y)?;
-        Call {
-            family: Family::Forward,
+        Call::new::<T>(
+            Family::Forward,
             act,
-            dtype: T::KERNEL,
-            rows: x.rows,
-            d: x.d,
-            inputs: vec![host(x)],
-            outputs: vec![host_mut(y)],
-            dbias: None,
-        }
+            (x.rows, x.d),
+            vec![host(x)],
+            vec![host_mut(y)],
+        )
         .run(self)
     }
 
@@ -544,16 +536,13 @@ impl Emulator {
         same_shape("preact", dy, preact)?;
         same_shape("dx", dy, dx)?;
         let inputs = vec![host(dy), host(preact)];
-        Call {
-            family: Family::Backward,
+        Call::new::<T>(
+            Family::Backward,
             act,
-            dtype: T::KERNEL,
-            rows: dy.rows,
-            d: dy.d,
+            (dy.rows, dy.d),
             inputs,
-            outputs: vec![host_mut(dx)],
-            dbias: None,
-        }
+            vec![host_mut(dx)],
+        )
         .run(self)
     }
 
@@ -571,16 +560,14 @@ impl Emulator {
         validate_dbias(dy, preact, dx, dbias.len(), workspace.len())?;
         let inputs = vec![host(dy), host(preact)];
         let dbias = Some((dbias.as_mut_ptr() as u64, workspace.as_mut_ptr() as u64));
-        Call {
-            family: Family::BackwardDbias,
+        Call::new::<T>(
+            Family::BackwardDbias,
             act,
-            dtype: T::KERNEL,
-            rows: dy.rows,
-            d: dy.d,
+            (dy.rows, dy.d),
             inputs,
-            outputs: vec![host_mut(dx)],
-            dbias,
-        }
+            vec![host_mut(dx)],
+        )
+        .with_dbias(dbias)
         .run(self)
     }
 
@@ -595,16 +582,13 @@ impl Emulator {
         same_shape("b", a, b)?;
         same_shape("h", a, h)?;
         let inputs = vec![host(a), host(b)];
-        Call {
-            family: Family::GatedForward,
+        Call::new::<T>(
+            Family::GatedForward,
             act,
-            dtype: T::KERNEL,
-            rows: a.rows,
-            d: a.d,
+            (a.rows, a.d),
             inputs,
-            outputs: vec![host_mut(h)],
-            dbias: None,
-        }
+            vec![host_mut(h)],
+        )
         .run(self)
     }
 
@@ -621,16 +605,13 @@ impl Emulator {
         let (rows, d, bytes) = (dh.rows, dh.d, T::KERNEL.bytes());
         let [a, b] = halves(host(ab), d, bytes);
         let outputs = halves(host_mut(dab), d, bytes).to_vec();
-        Call {
-            family: Family::GatedBackward,
+        Call::new::<T>(
+            Family::GatedBackward,
             act,
-            dtype: T::KERNEL,
-            rows,
-            d,
-            inputs: vec![host(dh), a, b],
+            (rows, d),
+            vec![host(dh), a, b],
             outputs,
-            dbias: None,
-        }
+        )
         .run(self)
     }
 }
