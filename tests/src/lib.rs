@@ -141,8 +141,21 @@ pub fn rms(v: &[f64]) -> f64 {
 /// that produced the value, so results of cancellation are judged fairly). NaN always fails, so
 /// poison left unwritten is caught.
 pub fn assert_close<T: TestDtype>(what: &str, got: &[f64], reference: &[f64], rel: f64, abs: f64) {
+    assert_close_each::<T>(what, got, reference, rel, |_| abs);
+}
+
+/// [`assert_close`] with an absolute bound per element, for results whose terms differ in scale
+/// from element to element (a norm's dx: each row has its own rstd).
+pub fn assert_close_each<T: TestDtype>(
+    what: &str,
+    got: &[f64],
+    reference: &[f64],
+    rel: f64,
+    abs_at: impl Fn(usize) -> f64,
+) {
     assert_eq!(got.len(), reference.len(), "{what}: length");
     for (i, (g, r)) in got.iter().zip(reference).enumerate() {
+        let abs = abs_at(i);
         assert!(
             g.is_finite(),
             "{what}: element {i} is {g} (unwritten or overflow); reference {r}"
