@@ -135,12 +135,11 @@ impl Call {
                 act: self.act.kernel_id(),
             };
             let kernel = Kernel::Activation(self.family, variant, p);
-            let work = if self.dbias.is_some() {
-                groups
+            let grid = if self.dbias.is_some() {
+                exec.full_grid(groups * (d / len).div_ceil(THREADS))
             } else {
-                accesses.div_ceil(THREADS)
+                exec.full_grid(accesses.div_ceil(THREADS * self.family.unroll()))
             };
-            let grid = exec.persistent_grid(&kernel, work, THREADS, 0)?;
             exec.launch(
                 &kernel,
                 Shape {

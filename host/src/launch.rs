@@ -47,6 +47,11 @@ pub(crate) trait Executor {
     /// Enqueues (GPU) or runs (emulator) one launch.
     fn launch(&self, kernel: &Kernel, shape: Shape) -> Result<()>;
 
+    /// One block per tile of work (elementwise kernels), unless the user set a lower limit.
+    fn full_grid(&self, tiles: usize) -> usize {
+        tiles.min(self.grid_limit().unwrap_or(usize::MAX)).max(1)
+    }
+
     /// A persistent grid for `work` items (rows or groups), never more blocks than items.
     fn persistent_grid(
         &self,

@@ -32,6 +32,12 @@ pub fn exp(x: f32) -> f32 {
     arch::exp2(x * LOG2_E)
 }
 
+/// [`exp`] with subnormal results flushed to zero: for sums with 1, where they change nothing.
+#[inline]
+fn exp_ftz(x: f32) -> f32 {
+    arch::exp2_ftz(x * LOG2_E)
+}
+
 /// `x · t` where `t` vanishes faster than `x` grows (a tail of exp): `0` when `t == 0`, so the
 /// limits at ±∞ are 0 rather than `∞ · 0 = NaN`; NaN still propagates through `t`.
 #[inline]
@@ -39,11 +45,33 @@ fn times_vanishing(x: f32, t: f32) -> f32 {
     if t == 0.0 { 0.0 } else { x * t }
 }
 
-/// The logistic function `1 / (1 + e^−x)`.
+/// `c + x · t` with `t` as in [`times_vanishing`], one rounding (FMA) when `t ≠ 0`.
+#[inline]
+fn plus_times_vanishing(c: f32, x: f32, t: f32) -> f32 {
+    if t == 0.0 { c } else { arch::fma(x, t, c) }
+}
+
+/// The logistic function `1 / (1 + e^−x)`, with a 1-ulp reciprocal (`rcp.approx`): an IEEE
+/// division's range check and slow path would make SiLU arithmetic-bound. Results below 2⁻¹²⁶
+/// (x < −87.3) flush to 0.
 #[inline]
 pub fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + exp(-x))
+    arch::rcp_approx(1.0 + exp_ftz(-x))
 }
+
+/// Coefficients of `erfc`'s Chebyshev fit in `t`, highest power first (Horner order).
+const ERFC_POLY: [f32; 10] = [
+    0.170_872_77,
+    -0.822_152_23,
+    1.488_515_9,
+    -1.135_204,
+    0.278_868_07,
+    -0.186_288_06,
+    0.096_784_18,
+    0.374_091_96,
+    1.000_023_7,
+    -1.265_512_2,
+];
 
 /// Complementary error function, Chebyshev fit of Numerical Recipes' `erfcc` (fractional error
 /// below 1.2e-7 in exact arithmetic) on top of [`exp`]. Relative accuracy holds in the tail too, so
@@ -51,16 +79,12 @@ pub fn sigmoid(x: f32) -> f32 {
 #[inline]
 pub fn erfc(z: f32) -> f32 {
     let a = z.abs();
-    let t = 1.0 / (1.0 + 0.5 * a);
-    let poly = -1.265_512_2
-        + t * (1.000_023_7
-            + t * (0.374_091_96
-                + t * (0.096_784_18
-                    + t * (-0.186_288_06
-                        + t * (0.278_868_07
-                            + t * (-1.135_204
-                                + t * (1.488_515_9 + t * (-0.822_152_23 + t * 0.170_872_77))))))));
-    let r = t * exp(-a * a + poly);
+    let t = arch::rcp_approx(arch::fma(a, 0.5, 1.0));
+    let mut poly = ERFC_POLY[0];
+    for &c in &ERFC_POLY[1..] {
+        poly = arch::fma(poly, t, c);
+    }
+    let r = t * exp(arch::fma(-z, z, poly));
     if z >= 0.0 { r } else { 2.0 - r }
 }
 
@@ -92,7 +116,7 @@ pub fn silu(x: f32) -> f32 {
 #[inline]
 pub fn silu_grad(x: f32) -> f32 {
     let s = sigmoid(x);
-    s + times_vanishing(x, s * (1.0 - s))
+    plus_times_vanishing(s, x, s * (1.0 - s))
 }
 
 /// GELU, exact form: `x · Φ(x) = ½ · x · erfc(−x/√2)`.
@@ -104,24 +128,32 @@ pub fn gelu_erf(x: f32) -> f32 {
 /// GELU' (exact form): `Φ(x) + x · φ(x)`.
 #[inline]
 pub fn gelu_erf_grad(x: f32) -> f32 {
-    0.5 * erfc(-x * FRAC_1_SQRT_2) + times_vanishing(x, FRAC_1_SQRT_2PI * exp(-0.5 * x * x))
+    let phi = FRAC_1_SQRT_2PI * exp(-0.5 * x * x);
+    plus_times_vanishing(0.5 * erfc(-x * FRAC_1_SQRT_2), x, phi)
 }
 
 /// GELU, tanh approximation: `½x(1 + tanh(u))`, `u = √(2/π)(x + 0.044715x³)`, evaluated as
 /// `x · σ(2u)` (the same function without the cancellation of `1 + tanh` for negative x).
 #[inline]
 pub fn gelu_tanh(x: f32) -> f32 {
-    let u = SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x);
-    times_vanishing(x, sigmoid(2.0 * u))
+    times_vanishing(x, sigmoid(gelu_tanh_2u(x)))
+}
+
+/// `2u = 2·√(2/π)·x·(1 + 0.044715·x²)` of the tanh form of GELU.
+#[inline]
+fn gelu_tanh_2u(x: f32) -> f32 {
+    const TWO_S: f32 = 2.0 * SQRT_2_OVER_PI;
+    x * arch::fma(TWO_S * GELU_TANH_CUBIC, x * x, TWO_S)
 }
 
 /// Derivative of [`gelu_tanh`]: `σ(2u) + x · 2σ(2u)(1 − σ(2u)) · u'`.
 #[inline]
 pub fn gelu_tanh_grad(x: f32) -> f32 {
-    let u = SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x);
-    let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_TANH_CUBIC * x * x);
-    let s = sigmoid(2.0 * u);
-    s + times_vanishing(x, times_vanishing(du, 2.0 * s * (1.0 - s)))
+    // d(2u)/dx = 2·√(2/π)·(1 + 3·0.044715·x²); σ(2u)' = σ(1 − σ)·d(2u)/dx.
+    const TWO_S: f32 = 2.0 * SQRT_2_OVER_PI;
+    let d2u = arch::fma(3.0 * TWO_S * GELU_TANH_CUBIC, x * x, TWO_S);
+    let s = sigmoid(gelu_tanh_2u(x));
+    plus_times_vanishing(s, x, times_vanishing(d2u, s * (1.0 - s)))
 }
 
 /// `f(x)` for the activation `ACT` (one of [`act`]); resolved at compile time.
@@ -174,30 +206,117 @@ impl Params {
     /// Address of row `row` of input `k`.
     #[inline(always)]
     fn input_row<T: Element>(&self, k: usize, row: usize) -> u64 {
-        row_addr::<T>(self.inputs[k], row, self.input_strides[k])
+        let (base, stride) = pick(k, &self.inputs, &self.input_strides);
+        row_addr::<T>(base, row, stride)
     }
     /// Address of row `row` of output `k`.
     #[inline(always)]
     fn output_row<T: Element>(&self, k: usize, row: usize) -> u64 {
-        row_addr::<T>(self.outputs[k], row, self.output_strides[k])
+        let (base, stride) = pick(k, &self.outputs, &self.output_strides);
+        row_addr::<T>(base, row, stride)
     }
 }
 
-/// Calls `f(row, first_element)` for every access of the `rows × d` grid, spread over all threads
-/// of the grid. Indices are u32: the host rejects more than 2³² − 1 accesses.
+/// `(bases[k], strides[k])` by selects, never by a dynamic index: if LLVM leaves a loop over
+/// operands rolled, indexing the kernel-parameter arrays would copy them to local memory.
 #[inline(always)]
-fn for_each_access<T: Element, const VEC: bool>(p: &Params, mut f: impl FnMut(usize, usize)) {
-    let len = Access::<T, VEC>::LEN as u32;
-    let per_row = p.d / len;
-    let total = p.rows * per_row;
-    let step = (arch::grid_dim() * arch::block_dim()) as u32;
-    let mut i = (arch::block_idx() * arch::block_dim() + arch::thread_idx()) as u32;
-    while i < total {
-        let row = i / per_row;
-        f(row as usize, ((i - row * per_row) * len) as usize);
-        i = i.wrapping_add(step);
-        if i < step {
-            break; // wrapped past 2³²
+fn pick<const N: usize>(k: usize, bases: &[u64; N], strides: &[u64; N]) -> (u64, u64) {
+    let mut picked = (bases[0], strides[0]);
+    for j in 1..N {
+        if k == j {
+            picked = (bases[j], strides[j]);
+        }
+    }
+    picked
+}
+
+/// The elementwise kernels' engine: for every element of the `rows × d` grid, `outputs = f(inputs)`
+/// with `IN` row inputs and `OUT` row outputs, each on its own stride. Accesses are spread over all
+/// blocks in tiles of `block_dim · UNROLL` consecutive accesses (thread `t` takes accesses `t`,
+/// `t + block_dim`, …: coalesced), tiles by grid stride. The host launches one block per tile:
+/// a persistent grid loses its last, partly filled trip (about 10 % at 64Mi elements, measured).
+/// All loads of a tile are issued before any result is computed, so a thread keeps
+/// `UNROLL · IN · 16` bytes in flight; [`Family::unroll`] keeps that near 64 to 128 bytes, in
+/// registers.
+/// An output may alias an input (in-place backward): every element is read before it is written,
+/// by the same thread.
+#[inline(always)]
+fn elementwise<
+    T: Element,
+    const VEC: bool,
+    const IN: usize,
+    const OUT: usize,
+    const UNROLL: usize,
+>(
+    p: &Params,
+    f: impl Fn([f32; IN]) -> [f32; OUT],
+) {
+    let len = Access::<T, VEC>::LEN;
+    let rows = p.rows as usize;
+    let per_row = p.d / len as u32;
+    let (threads, tile) = (arch::block_dim(), arch::block_dim() * UNROLL);
+    // Within a tile the cursor moves by whole rows and leftover accesses: no division per access.
+    let (step_rows, step_accesses) = (threads / per_row as usize, threads % per_row as usize);
+    let per_row = per_row as usize;
+    let advance = |(row, access): (usize, usize)| {
+        let (row, access) = (row + step_rows, access + step_accesses);
+        if access >= per_row {
+            (row + 1, access - per_row)
+        } else {
+            (row, access)
+        }
+    };
+    let total = rows * per_row;
+    let mut tile_start = arch::block_idx() * tile;
+    while tile_start < total {
+        // The host rejects more than 2³² − 1 accesses, so u32 division is exact here.
+        let first = (tile_start + arch::thread_idx()) as u32;
+        let mut cursor = (
+            (first / per_row as u32) as usize,
+            (first % per_row as u32) as usize,
+        );
+        tile_start += arch::grid_dim() * tile;
+        let mut ins = [[[0u32; 4]; IN]; UNROLL];
+        let mut at = cursor;
+        for packs in ins.iter_mut() {
+            if at.0 < rows {
+                for (j, pack) in packs.iter_mut().enumerate() {
+                    let row = p.input_row::<T>(j, at.0);
+                    *pack = unsafe { Access::<T, VEC>::load(row, at.1 * len) };
+                }
+            }
+            at = advance(at);
+        }
+        // Walk the same positions again (cheaper than keeping them in registers). Always use
+        // slot 0 and shift the others down: should LLVM leave this loop rolled (big bodies), a
+        // dynamic `ins[k]` would put the packs in local memory.
+        for _ in 0..UNROLL {
+            let ((r, access), packs) = (cursor, ins[0]);
+            let col = access * len;
+            for k in 1..UNROLL {
+                ins[k - 1] = ins[k];
+            }
+            cursor = advance(cursor);
+            if r < rows {
+                let mut outs = [[0.0f32; 8]; OUT];
+                for i in 0..len {
+                    let mut args = [0.0f32; IN];
+                    for (j, arg) in args.iter_mut().enumerate() {
+                        *arg = T::get(&packs[j], i);
+                    }
+                    let results = f(args);
+                    // Indexed, not `zip`/`into_iter`: LLVM leaves array iterators rolled, and a
+                    // rolled loop over `outs` means local memory.
+                    #[allow(clippy::needless_range_loop)]
+                    for o in 0..OUT {
+                        outs[o][i] = results[o];
+                    }
+                }
+                for (o, vals) in outs.iter().enumerate() {
+                    let out = p.output_row::<T>(o, r);
+                    unsafe { Access::<T, VEC>::store(out, col, &T::pack(vals, len)) };
+                }
+            }
         }
     }
 }
@@ -207,32 +326,16 @@ fn for_each_access<T: Element, const VEC: bool>(p: &Params, mut f: impl FnMut(us
 /// # Safety
 /// The params describe valid buffers laid out as the variant requires.
 pub unsafe fn forward<T: Element, const VEC: bool, const ACT: u32>(p: &Params) {
-    let len = Access::<T, VEC>::LEN;
-    for_each_access::<T, VEC>(p, |row, col| {
-        let x = unsafe { Access::<T, VEC>::load(p.input_row::<T>(0, row), col) };
-        let mut y: Pack = [0; 4];
-        for i in 0..len {
-            T::set(&mut y, i, apply::<ACT>(T::get(&x, i)));
-        }
-        unsafe { Access::<T, VEC>::store(p.output_row::<T>(0, row), col, &y) };
-    });
+    elementwise::<T, VEC, 1, 1, { Family::Forward.unroll() }>(p, |[x]| [apply::<ACT>(x)]);
 }
 
-/// `dx = dy · f'(preact)`; `dx` may be `dy` itself (each element is read before it is written, by
-/// the same thread).
+/// `dx = dy · f'(preact)`; `dx` may be `dy` itself.
 ///
 /// # Safety
 /// As for [`forward`].
 pub unsafe fn backward<T: Element, const VEC: bool, const ACT: u32>(p: &Params) {
-    let len = Access::<T, VEC>::LEN;
-    for_each_access::<T, VEC>(p, |row, col| {
-        let dy = unsafe { Access::<T, VEC>::load(p.input_row::<T>(0, row), col) };
-        let pre = unsafe { Access::<T, VEC>::load(p.input_row::<T>(1, row), col) };
-        let mut dx: Pack = [0; 4];
-        for i in 0..len {
-            T::set(&mut dx, i, T::get(&dy, i) * grad::<ACT>(T::get(&pre, i)));
-        }
-        unsafe { Access::<T, VEC>::store(p.output_row::<T>(0, row), col, &dx) };
+    elementwise::<T, VEC, 2, 1, { Family::Backward.unroll() }>(p, |[dy, pre]| {
+        [dy * grad::<ACT>(pre)]
     });
 }
 
@@ -241,7 +344,9 @@ const DBIAS_ROWS_IN_FLIGHT: usize = 4;
 
 /// [`backward`] plus `dbias = Σ_rows dx` through the deterministic group partials: each group of
 /// `rows_per_group` consecutive rows writes one fp32 row of `partials`, summed afterwards by
-/// [`crate::reduce::column_sum`]. Blocks walk groups by grid stride; threads walk the columns.
+/// [`crate::reduce::column_sum`]. A work item is one group × `block_dim` columns (one access per
+/// thread); blocks take items by grid stride, so the host can launch one block per item. Which
+/// block takes an item never changes the order of any sum.
 ///
 /// # Safety
 /// As for [`forward`]; `partials` holds `groups · d` f32, 16-byte aligned.
@@ -249,12 +354,15 @@ pub unsafe fn backward_dbias<T: Element, const VEC: bool, const ACT: u32>(p: &Pa
     let len = Access::<T, VEC>::LEN;
     let (d, rows) = (p.d as usize, p.rows as usize);
     let per_row = d / len;
-    let mut group = arch::block_idx();
-    while group < p.groups as usize {
+    let chunks = per_row.div_ceil(arch::block_dim());
+    let mut item = arch::block_idx();
+    while item < p.groups as usize * chunks {
+        let (group, chunk) = (item / chunks, item % chunks);
+        item += arch::grid_dim();
         let first = group * p.rows_per_group as usize;
         let end = (first + p.rows_per_group as usize).min(rows);
-        let mut a = arch::thread_idx();
-        while a < per_row {
+        let a = chunk * arch::block_dim() + arch::thread_idx();
+        if a < per_row {
             let col = a * len;
             let mut dbias = [0.0f32; 8];
             let mut row = first;
@@ -272,22 +380,19 @@ pub unsafe fn backward_dbias<T: Element, const VEC: bool, const ACT: u32>(p: &Pa
                 }
                 for r in 0..DBIAS_ROWS_IN_FLIGHT {
                     if row + r < end {
-                        let mut dx: Pack = [0; 4];
+                        let mut dx = [0.0f32; 8];
                         for i in 0..len {
-                            let v = T::get(&dy[r], i) * grad::<ACT>(T::get(&pre[r], i));
-                            T::set(&mut dx, i, v);
-                            dbias[i] += v;
+                            dx[i] = T::get(&dy[r], i) * grad::<ACT>(T::get(&pre[r], i));
+                            dbias[i] += dx[i];
                         }
                         let out = p.output_row::<T>(0, row + r);
-                        unsafe { Access::<T, VEC>::store(out, col, &dx) };
+                        unsafe { Access::<T, VEC>::store(out, col, &T::pack(&dx, len)) };
                     }
                 }
                 row += DBIAS_ROWS_IN_FLIGHT;
             }
             unsafe { store_f32s::<VEC>(p.partials + (group * d * 4) as u64, col, &dbias, len) };
-            a += arch::block_dim();
         }
-        group += arch::grid_dim();
     }
 }
 
@@ -296,15 +401,8 @@ pub unsafe fn backward_dbias<T: Element, const VEC: bool, const ACT: u32>(p: &Pa
 /// # Safety
 /// As for [`forward`].
 pub unsafe fn gated_forward<T: Element, const VEC: bool, const ACT: u32>(p: &Params) {
-    let len = Access::<T, VEC>::LEN;
-    for_each_access::<T, VEC>(p, |row, col| {
-        let a = unsafe { Access::<T, VEC>::load(p.input_row::<T>(0, row), col) };
-        let b = unsafe { Access::<T, VEC>::load(p.input_row::<T>(1, row), col) };
-        let mut h: Pack = [0; 4];
-        for i in 0..len {
-            T::set(&mut h, i, apply::<ACT>(T::get(&a, i)) * T::get(&b, i));
-        }
-        unsafe { Access::<T, VEC>::store(p.output_row::<T>(0, row), col, &h) };
+    elementwise::<T, VEC, 2, 1, { Family::GatedForward.unroll() }>(p, |[a, b]| {
+        [apply::<ACT>(a) * b]
     });
 }
 
@@ -313,19 +411,8 @@ pub unsafe fn gated_forward<T: Element, const VEC: bool, const ACT: u32>(p: &Par
 /// # Safety
 /// As for [`forward`].
 pub unsafe fn gated_backward<T: Element, const VEC: bool, const ACT: u32>(p: &Params) {
-    let len = Access::<T, VEC>::LEN;
-    for_each_access::<T, VEC>(p, |row, col| {
-        let dh = unsafe { Access::<T, VEC>::load(p.input_row::<T>(0, row), col) };
-        let a = unsafe { Access::<T, VEC>::load(p.input_row::<T>(1, row), col) };
-        let b = unsafe { Access::<T, VEC>::load(p.input_row::<T>(2, row), col) };
-        let (mut da, mut db): (Pack, Pack) = ([0; 4], [0; 4]);
-        for i in 0..len {
-            let (dh_i, a_i) = (T::get(&dh, i), T::get(&a, i));
-            T::set(&mut da, i, dh_i * T::get(&b, i) * grad::<ACT>(a_i));
-            T::set(&mut db, i, dh_i * apply::<ACT>(a_i));
-        }
-        unsafe { Access::<T, VEC>::store(p.output_row::<T>(0, row), col, &da) };
-        unsafe { Access::<T, VEC>::store(p.output_row::<T>(1, row), col, &db) };
+    elementwise::<T, VEC, 3, 2, { Family::GatedBackward.unroll() }>(p, |[dh, a, b]| {
+        [dh * b * grad::<ACT>(a), dh * apply::<ACT>(a)]
     });
 }
 
@@ -366,6 +453,16 @@ impl Family {
         Family::GatedForward,
         Family::GatedBackward,
     ];
+
+    /// Accesses (16-byte packs) per thread of the elementwise families: the tile of a block is
+    /// `threads · unroll` accesses. (The dbias family walks groups of rows instead.)
+    pub const fn unroll(self) -> usize {
+        match self {
+            Family::Forward | Family::Backward | Family::GatedForward => 4,
+            Family::GatedBackward => 2,
+            Family::BackwardDbias => 1,
+        }
+    }
 
     /// The PTX entry prefix.
     pub const fn prefix(self) -> &'static str {

@@ -17,6 +17,9 @@ pub trait Element: Copy + 'static {
     fn get(pack: &Pack, i: usize) -> f32;
     /// Rounds `v` to this dtype and writes it as element `i` of `pack` (other elements kept).
     fn set(pack: &mut Pack, i: usize, v: f32);
+    /// Rounds `vals[..len]` to this dtype, packed as [`get`](Self::get) reads them (`len` is
+    /// 1 for a scalar access). Halves convert two at a time: one instruction per pair.
+    fn pack(vals: &[f32; 8], len: usize) -> Pack;
     /// Loads the single element at `p` into word 0 of a pack.
     ///
     /// # Safety
@@ -50,6 +53,10 @@ impl Element for F32 {
         pack[i] = v.to_bits();
     }
     #[inline(always)]
+    fn pack(vals: &[f32; 8], _len: usize) -> Pack {
+        [vals[0], vals[1], vals[2], vals[3]].map(f32::to_bits)
+    }
+    #[inline(always)]
     unsafe fn load_one(p: *const u8) -> Pack {
         [unsafe { (p as *const u32).read() }, 0, 0, 0]
     }
@@ -71,7 +78,7 @@ fn set_half_bits(pack: &mut Pack, i: usize, h: u16) {
 }
 
 macro_rules! half_element {
-    ($ty:ident, $to_f32:path, $from_f32:path) => {
+    ($ty:ident, $to_f32:path, $from_f32:path, $pair_from_f32:path) => {
         impl Element for $ty {
             const BYTES: usize = 2;
             #[inline(always)]
@@ -81,6 +88,16 @@ macro_rules! half_element {
             #[inline(always)]
             fn set(pack: &mut Pack, i: usize, v: f32) {
                 set_half_bits(pack, i, $from_f32(v));
+            }
+            #[inline(always)]
+            fn pack(vals: &[f32; 8], len: usize) -> Pack {
+                let mut pack = [0; 4];
+                for (w, word) in pack.iter_mut().enumerate() {
+                    if 2 * w < len {
+                        *word = $pair_from_f32(vals[2 * w], vals[2 * w + 1]);
+                    }
+                }
+                pack
             }
             #[inline(always)]
             unsafe fn load_one(p: *const u8) -> Pack {
@@ -93,8 +110,18 @@ macro_rules! half_element {
         }
     };
 }
-half_element!(F16, arch::f16_to_f32, arch::f32_to_f16);
-half_element!(Bf16, arch::bf16_to_f32, arch::f32_to_bf16);
+half_element!(
+    F16,
+    arch::f16_to_f32,
+    arch::f32_to_f16,
+    arch::f32x2_to_f16x2
+);
+half_element!(
+    Bf16,
+    arch::bf16_to_f32,
+    arch::f32_to_bf16,
+    arch::f32x2_to_bf16x2
+);
 
 /// Address of row `row` of rows laid `stride` elements apart from `base`.
 #[inline(always)]

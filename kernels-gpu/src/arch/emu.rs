@@ -8,7 +8,9 @@
 //!
 //! Where the emulator's arithmetic differs from the GPU's: `rsqrt` is `1/sqrt` rounded twice in
 //! f32 (the GPU's `rsqrt.approx.f32` is within a few ulp of that), `exp2` is the host libm's (the
-//! GPU's `ex2.approx.f32` is within about 2 ulp); conversions to f16/bf16 round
+//! GPU's `ex2.approx.f32` is within about 2 ulp), `rcp_approx` is the exact quotient (the GPU's
+//! `rcp.approx` is within 1 ulp), and the `_ftz` forms flush subnormals as the GPU does;
+//! conversions to f16/bf16 round
 //! to nearest even exactly as `cvt.rn` does. Everything else is the same IEEE f32 arithmetic, but
 //! LLVM may contract `a*b+c` into an FMA on the GPU and not on the host, so results agree to
 //! rounding, not bitwise.
@@ -233,6 +235,30 @@ pub fn rsqrt(v: f32) -> f32 {
 }
 pub fn exp2(v: f32) -> f32 {
     v.exp2()
+}
+pub fn fma(a: f32, b: f32, c: f32) -> f32 {
+    a.mul_add(b, c)
+}
+/// Flushes subnormal inputs and results to zero like `ex2.approx.ftz.f32`.
+pub fn exp2_ftz(v: f32) -> f32 {
+    flush_subnormal(flush_subnormal(v).exp2())
+}
+/// Exact `1/v`, flushed like `rcp.approx.ftz.f32` (which is within 1 ulp of it).
+pub fn rcp_approx(v: f32) -> f32 {
+    flush_subnormal(1.0 / flush_subnormal(v))
+}
+fn flush_subnormal(v: f32) -> f32 {
+    if v.is_subnormal() {
+        0.0f32.copysign(v)
+    } else {
+        v
+    }
+}
+pub fn f32x2_to_bf16x2(lo: f32, hi: f32) -> u32 {
+    f32_to_bf16(lo) as u32 | (f32_to_bf16(hi) as u32) << 16
+}
+pub fn f32x2_to_f16x2(lo: f32, hi: f32) -> u32 {
+    f32_to_f16(lo) as u32 | (f32_to_f16(hi) as u32) << 16
 }
 
 /// Marks the block poisoned if its thread unwinds, so the others stop waiting at once.

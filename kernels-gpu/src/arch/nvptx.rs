@@ -176,3 +176,65 @@ pub fn exp2(v: f32) -> f32 {
     }
     f32::from_bits(r)
 }
+
+/// `ex2.approx.ftz.f32`: [`exp2`] with subnormal inputs and results flushed to zero — for callers
+/// that add the result to 1 (σ), where a subnormal changes nothing; saves the range fix-up around
+/// the MUFU operation.
+#[inline(always)]
+pub fn exp2_ftz(v: f32) -> f32 {
+    let r: u32;
+    unsafe {
+        asm!("ex2.approx.ftz.f32 {r}, {v};", r = out(reg32) r, v = in(reg32) v.to_bits(),
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    f32::from_bits(r)
+}
+
+/// `rcp.approx.ftz.f32`: `1/v` to 1 ulp in one MUFU operation, for `v ≥ 1` (σ and erfc's `t`),
+/// where IEEE division would cost a range check, a refinement and a slow path per element.
+/// Results below 2⁻¹²⁶ (v > 2¹²⁶) flush to zero.
+#[inline(always)]
+pub fn rcp_approx(v: f32) -> f32 {
+    let r: u32;
+    unsafe {
+        asm!("rcp.approx.ftz.f32 {r}, {v};", r = out(reg32) r, v = in(reg32) v.to_bits(),
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    f32::from_bits(r)
+}
+
+/// Two f32 rounded to bf16 (nearest even) in one `cvt.rn.bf16x2.f32`: `lo` in bits 0..16.
+/// Half the conversion instructions of two single conversions.
+#[inline(always)]
+pub fn f32x2_to_bf16x2(lo: f32, hi: f32) -> u32 {
+    let r: u32;
+    unsafe {
+        asm!("cvt.rn.bf16x2.f32 {r}, {hi}, {lo};", r = out(reg32) r, hi = in(reg32) hi.to_bits(),
+             lo = in(reg32) lo.to_bits(), options(pure, nomem, nostack, preserves_flags));
+    }
+    r
+}
+
+/// Two f32 rounded to f16 (nearest even) in one `cvt.rn.f16x2.f32`: `lo` in bits 0..16.
+#[inline(always)]
+pub fn f32x2_to_f16x2(lo: f32, hi: f32) -> u32 {
+    let r: u32;
+    unsafe {
+        asm!("cvt.rn.f16x2.f32 {r}, {hi}, {lo};", r = out(reg32) r, hi = in(reg32) hi.to_bits(),
+             lo = in(reg32) lo.to_bits(), options(pure, nomem, nostack, preserves_flags));
+    }
+    r
+}
+
+/// `a·b + c` rounded once (`fma.rn.f32`). Rust never contracts `a*b + c` on its own, and
+/// `f32::mul_add` is not in `core` on stable: polynomials call this to get one instruction per term.
+#[inline(always)]
+pub fn fma(a: f32, b: f32, c: f32) -> f32 {
+    let r: u32;
+    unsafe {
+        asm!("fma.rn.f32 {r}, {a}, {b}, {c};", r = out(reg32) r, a = in(reg32) a.to_bits(),
+             b = in(reg32) b.to_bits(), c = in(reg32) c.to_bits(),
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    f32::from_bits(r)
+}
