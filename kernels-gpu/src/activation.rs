@@ -59,33 +59,75 @@ pub fn sigmoid(x: f32) -> f32 {
     arch::rcp_approx(1.0 + exp_ftz(-x))
 }
 
-/// Coefficients of `erfc`'s Chebyshev fit in `t`, highest power first (Horner order).
-const ERFC_POLY: [f32; 10] = [
-    0.170_872_77,
-    -0.822_152_23,
-    1.488_515_9,
-    -1.135_204,
-    0.278_868_07,
-    -0.186_288_06,
-    0.096_784_18,
-    0.374_091_96,
-    1.000_023_7,
+/// Numerical Recipes' `erfcc` Chebyshev fit: `erfc(a) = t·exp(−a² + Σ c_k t^k)`, `t = 1/(1 + a/2)`,
+/// fractional error below 1.2e-7 for every `a ≥ 0` (so the tail keeps its relative accuracy and
+/// `gelu` of large negative inputs does not cancel). `c_0` first.
+const ERFCC: [f32; 10] = [
     -1.265_512_2,
+    1.000_023_7,
+    0.374_091_96,
+    0.096_784_18,
+    -0.186_288_06,
+    0.278_868_07,
+    -1.135_204,
+    1.488_515_9,
+    -0.822_152_23,
+    0.170_872_77,
 ];
 
-/// Complementary error function, Chebyshev fit of Numerical Recipes' `erfcc` (fractional error
-/// below 1.2e-7 in exact arithmetic) on top of [`exp`]. Relative accuracy holds in the tail too, so
-/// `gelu` of large negative inputs does not cancel.
+/// The same polynomial in `h = t/2 = 1/(2 + a)` and in base 2, highest power first (Horner):
+/// coefficient `c_k · 2^k · log2 e`. Evaluating `erfc/2 = h · 2^(Σ … − a²·log2 e)` this way saves
+/// the multiplications by ½ and by log2 e per element (the scaling by 2^k is exact).
+const HALF_ERFC_POLY: [f32; 10] = {
+    let mut out = [0.0; 10];
+    let (mut k, mut scale) = (0, LOG2_E);
+    while k < 10 {
+        out[9 - k] = ERFCC[k] * scale;
+        k += 1;
+        scale *= 2.0;
+    }
+    out
+};
+
+/// A shorter fit of the same function of `h` (degree 5, base 2, highest power first; least squares
+/// with Lawson reweighting on Chebyshev-spaced h, coefficients rounded to f32): relative error of
+/// `erfc` below 5.8e-5 for every `a ≥ 0`, evaluated in f32. The kernels use it when the result is
+/// stored as f16 or bf16, whose rounding (up to 2⁻¹¹ and 2⁻⁸ relative) is 8 and 70 times larger;
+/// four fewer FMAs per element keep GELU-erf memory-bound.
+const HALF_ERFC_POLY_SHORT: [f32; 6] = [
+    8.298_8,
+    -13.195_384,
+    3.827_871_3,
+    1.856_153_8,
+    2.897_199_6,
+    -1.825_821,
+];
+
+/// `erfc(a)/2` for `a ≥ 0` through the fit `poly` (NaN propagates, `+∞` gives 0). Results below
+/// about 2e-39 (a > 9.2), already subnormal, flush to 0.
+#[inline(always)]
+fn half_erfc_nonneg<const N: usize>(a: f32, poly: &[f32; N]) -> f32 {
+    let h = arch::rcp_approx(a + 2.0);
+    let mut sum = poly[0];
+    for &c in &poly[1..] {
+        sum = arch::fma(sum, h, c);
+    }
+    h * arch::exp2_ftz(arch::fma(a * -LOG2_E, a, sum))
+}
+
+/// Complementary error function, on Numerical Recipes' `erfcc` fit (fractional error below 1.2e-7
+/// in exact arithmetic; see [`ERFCC`]) with `ex2.approx` and `rcp.approx`.
 #[inline]
 pub fn erfc(z: f32) -> f32 {
-    let a = z.abs();
-    let t = arch::rcp_approx(arch::fma(a, 0.5, 1.0));
-    let mut poly = ERFC_POLY[0];
-    for &c in &ERFC_POLY[1..] {
-        poly = arch::fma(poly, t, c);
-    }
-    let r = t * exp(arch::fma(-z, z, poly));
+    let r = 2.0 * half_erfc_nonneg(z.abs(), &HALF_ERFC_POLY);
     if z >= 0.0 { r } else { 2.0 - r }
+}
+
+/// The standard normal CDF `Φ(x) = erfc(−x/√2)/2`, computed without cancellation for x < 0.
+#[inline(always)]
+fn normal_cdf<const N: usize>(x: f32, poly: &[f32; N]) -> f32 {
+    let q = half_erfc_nonneg(x.abs() * FRAC_1_SQRT_2, poly);
+    if x > 0.0 { 1.0 - q } else { q }
 }
 
 /// ReLU: `max(x, 0)`, NaN propagating.
@@ -119,17 +161,31 @@ pub fn silu_grad(x: f32) -> f32 {
     plus_times_vanishing(s, x, s * (1.0 - s))
 }
 
-/// GELU, exact form: `x · Φ(x) = ½ · x · erfc(−x/√2)`.
+/// GELU, exact form: `x · Φ(x) = ½ · x · erfc(−x/√2)`. Results below about 1e-38 in magnitude
+/// (x < −13.2) flush to 0.
 #[inline]
 pub fn gelu_erf(x: f32) -> f32 {
-    0.5 * times_vanishing(x, erfc(-x * FRAC_1_SQRT_2))
+    gelu_erf_with(x, &HALF_ERFC_POLY)
+}
+
+#[inline(always)]
+fn gelu_erf_with<const N: usize>(x: f32, poly: &[f32; N]) -> f32 {
+    // Clamping x keeps `−∞ · Φ(−∞) = −∞ · 0` at 0 in one instruction (NaN still propagates
+    // through Φ).
+    x.max(-f32::MAX) * normal_cdf(x, poly)
 }
 
 /// GELU' (exact form): `Φ(x) + x · φ(x)`.
 #[inline]
 pub fn gelu_erf_grad(x: f32) -> f32 {
-    let phi = FRAC_1_SQRT_2PI * exp(-0.5 * x * x);
-    plus_times_vanishing(0.5 * erfc(-x * FRAC_1_SQRT_2), x, phi)
+    gelu_erf_grad_with(x, &HALF_ERFC_POLY)
+}
+
+#[inline(always)]
+fn gelu_erf_grad_with<const N: usize>(x: f32, poly: &[f32; N]) -> f32 {
+    // φ(x) = e^(−x²/2)/√(2π); below 2⁻¹²⁶ (|x| > 13.2) it flushes to 0.
+    let phi = FRAC_1_SQRT_2PI * arch::exp2_ftz(x * x * (-0.5 * LOG2_E));
+    plus_times_vanishing(normal_cdf(x, poly), x, phi)
 }
 
 /// GELU, tanh approximation: `½x(1 + tanh(u))`, `u = √(2/π)(x + 0.044715x³)`, evaluated as
@@ -175,6 +231,27 @@ pub fn grad<const ACT: u32>(x: f32) -> f32 {
         act::SILU => silu_grad(x),
         act::GELU_ERF => gelu_erf_grad(x),
         _ => gelu_tanh_grad(x),
+    }
+}
+
+/// [`apply`] as the kernels evaluate it for storage dtype `T`: GELU-erf with the shorter erfc fit
+/// ([`HALF_ERFC_POLY_SHORT`]) when the result is rounded to f16 or bf16 anyway.
+#[inline(always)]
+fn apply_stored<T: Element, const ACT: u32>(x: f32) -> f32 {
+    if ACT == act::GELU_ERF && T::BYTES < 4 {
+        gelu_erf_with(x, &HALF_ERFC_POLY_SHORT)
+    } else {
+        apply::<ACT>(x)
+    }
+}
+
+/// [`grad`] as the kernels evaluate it for storage dtype `T` (see [`apply_stored`]).
+#[inline(always)]
+fn grad_stored<T: Element, const ACT: u32>(x: f32) -> f32 {
+    if ACT == act::GELU_ERF && T::BYTES < 4 {
+        gelu_erf_grad_with(x, &HALF_ERFC_POLY_SHORT)
+    } else {
+        grad::<ACT>(x)
     }
 }
 
@@ -253,11 +330,23 @@ fn elementwise<
 ) {
     let len = Access::<T, VEC>::LEN;
     let rows = p.rows as usize;
-    let per_row = p.d / len as u32;
+    let per_row = (p.d as usize) / len;
     let (threads, tile) = (arch::block_dim(), arch::block_dim() * UNROLL);
+    let total = rows * per_row;
+    let mut tile_start = arch::block_idx() * tile;
+    if rows == 1 {
+        // One row (the host hands contiguous operands over as one): positions are plain indices,
+        // no cursor arithmetic and no row addresses.
+        while tile_start < total {
+            let first = (0, tile_start + arch::thread_idx());
+            let advance = |(row, access): (usize, usize)| (row, access + threads);
+            elementwise_tile::<T, VEC, IN, OUT, UNROLL>(p, &f, first, advance, |(_, a)| a < total);
+            tile_start += arch::grid_dim() * tile;
+        }
+        return;
+    }
     // Within a tile the cursor moves by whole rows and leftover accesses: no division per access.
-    let (step_rows, step_accesses) = (threads / per_row as usize, threads % per_row as usize);
-    let per_row = per_row as usize;
+    let (step_rows, step_accesses) = (threads / per_row, threads % per_row);
     let advance = |(row, access): (usize, usize)| {
         let (row, access) = (row + step_rows, access + step_accesses);
         if access >= per_row {
@@ -266,58 +355,73 @@ fn elementwise<
             (row, access)
         }
     };
-    let total = rows * per_row;
-    let mut tile_start = arch::block_idx() * tile;
     while tile_start < total {
         // The host rejects more than 2³² − 1 accesses, so u32 division is exact here.
-        let first = (tile_start + arch::thread_idx()) as u32;
-        let mut cursor = (
-            (first / per_row as u32) as usize,
-            (first % per_row as u32) as usize,
-        );
+        let (first, per_row32) = ((tile_start + arch::thread_idx()) as u32, per_row as u32);
+        let first = ((first / per_row32) as usize, (first % per_row32) as usize);
+        elementwise_tile::<T, VEC, IN, OUT, UNROLL>(p, &f, first, advance, |(r, _)| r < rows);
         tile_start += arch::grid_dim() * tile;
-        let mut ins = [[[0u32; 4]; IN]; UNROLL];
-        let mut at = cursor;
-        for packs in ins.iter_mut() {
-            if at.0 < rows {
-                for (j, pack) in packs.iter_mut().enumerate() {
-                    let row = p.input_row::<T>(j, at.0);
-                    *pack = unsafe { Access::<T, VEC>::load(row, at.1 * len) };
-                }
-            }
-            at = advance(at);
-        }
-        // Walk the same positions again (cheaper than keeping them in registers). Always use
-        // slot 0 and shift the others down: should LLVM leave this loop rolled (big bodies), a
-        // dynamic `ins[k]` would put the packs in local memory.
-        for _ in 0..UNROLL {
-            let ((r, access), packs) = (cursor, ins[0]);
-            let col = access * len;
-            for k in 1..UNROLL {
-                ins[k - 1] = ins[k];
-            }
-            cursor = advance(cursor);
-            if r < rows {
-                let mut outs = [[0.0f32; 8]; OUT];
-                for i in 0..len {
-                    let mut args = [0.0f32; IN];
-                    for (j, arg) in args.iter_mut().enumerate() {
-                        *arg = T::get(&packs[j], i);
-                    }
-                    let results = f(args);
-                    // Indexed, not `zip`/`into_iter`: LLVM leaves array iterators rolled, and a
-                    // rolled loop over `outs` means local memory.
-                    #[allow(clippy::needless_range_loop)]
-                    for o in 0..OUT {
-                        outs[o][i] = results[o];
-                    }
-                }
-                for (o, vals) in outs.iter().enumerate() {
-                    let out = p.output_row::<T>(o, r);
-                    unsafe { Access::<T, VEC>::store(out, col, &T::pack(vals, len)) };
-                }
+    }
+}
+
+/// One thread's share of one tile of [`elementwise`]: the `UNROLL` positions `first`,
+/// `advance(first)`, … (row, access in the row), those that are `inside` the grid.
+#[inline(always)]
+fn elementwise_tile<
+    T: Element,
+    const VEC: bool,
+    const IN: usize,
+    const OUT: usize,
+    const UNROLL: usize,
+>(
+    p: &Params,
+    f: &impl Fn([f32; IN]) -> [f32; OUT],
+    first: (usize, usize),
+    advance: impl Fn((usize, usize)) -> (usize, usize),
+    inside: impl Fn((usize, usize)) -> bool,
+) {
+    let len = Access::<T, VEC>::LEN;
+    let mut ins = [[[0u32; 4]; IN]; UNROLL];
+    let mut at = first;
+    for packs in ins.iter_mut() {
+        if inside(at) {
+            for (j, pack) in packs.iter_mut().enumerate() {
+                let row = p.input_row::<T>(j, at.0);
+                *pack = unsafe { Access::<T, VEC>::load(row, at.1 * len) };
             }
         }
+        at = advance(at);
+    }
+    // Walk the same positions again (cheaper than keeping them in registers). Always use slot 0
+    // and shift the others down: should LLVM leave this loop rolled (big bodies), a dynamic
+    // `ins[k]` would put the packs in local memory.
+    let mut at = first;
+    for _ in 0..UNROLL {
+        let ((row, access), packs) = (at, ins[0]);
+        for k in 1..UNROLL {
+            ins[k - 1] = ins[k];
+        }
+        if inside(at) {
+            let mut outs = [[0.0f32; 8]; OUT];
+            for i in 0..len {
+                let mut args = [0.0f32; IN];
+                for (j, arg) in args.iter_mut().enumerate() {
+                    *arg = T::get(&packs[j], i);
+                }
+                let results = f(args);
+                // Indexed, not `zip`/`into_iter`: LLVM leaves array iterators rolled, and a
+                // rolled loop over `outs` means local memory.
+                #[allow(clippy::needless_range_loop)]
+                for o in 0..OUT {
+                    outs[o][i] = results[o];
+                }
+            }
+            for (o, vals) in outs.iter().enumerate() {
+                let out = p.output_row::<T>(o, row);
+                unsafe { Access::<T, VEC>::store(out, access * len, &T::pack(vals, len)) };
+            }
+        }
+        at = advance(at);
     }
 }
 
@@ -326,7 +430,7 @@ fn elementwise<
 /// # Safety
 /// The params describe valid buffers laid out as the variant requires.
 pub unsafe fn forward<T: Element, const VEC: bool, const ACT: u32>(p: &Params) {
-    elementwise::<T, VEC, 1, 1, { Family::Forward.unroll() }>(p, |[x]| [apply::<ACT>(x)]);
+    elementwise::<T, VEC, 1, 1, { Family::Forward.unroll() }>(p, |[x]| [apply_stored::<T, ACT>(x)]);
 }
 
 /// `dx = dy · f'(preact)`; `dx` may be `dy` itself.
@@ -335,7 +439,7 @@ pub unsafe fn forward<T: Element, const VEC: bool, const ACT: u32>(p: &Params) {
 /// As for [`forward`].
 pub unsafe fn backward<T: Element, const VEC: bool, const ACT: u32>(p: &Params) {
     elementwise::<T, VEC, 2, 1, { Family::Backward.unroll() }>(p, |[dy, pre]| {
-        [dy * grad::<ACT>(pre)]
+        [dy * grad_stored::<T, ACT>(pre)]
     });
 }
 
@@ -382,7 +486,7 @@ pub unsafe fn backward_dbias<T: Element, const VEC: bool, const ACT: u32>(p: &Pa
                     if row + r < end {
                         let mut dx = [0.0f32; 8];
                         for i in 0..len {
-                            dx[i] = T::get(&dy[r], i) * grad::<ACT>(T::get(&pre[r], i));
+                            dx[i] = T::get(&dy[r], i) * grad_stored::<T, ACT>(T::get(&pre[r], i));
                             dbias[i] += dx[i];
                         }
                         let out = p.output_row::<T>(0, row + r);
@@ -402,7 +506,7 @@ pub unsafe fn backward_dbias<T: Element, const VEC: bool, const ACT: u32>(p: &Pa
 /// As for [`forward`].
 pub unsafe fn gated_forward<T: Element, const VEC: bool, const ACT: u32>(p: &Params) {
     elementwise::<T, VEC, 2, 1, { Family::GatedForward.unroll() }>(p, |[a, b]| {
-        [apply::<ACT>(a) * b]
+        [apply_stored::<T, ACT>(a) * b]
     });
 }
 
@@ -412,7 +516,10 @@ pub unsafe fn gated_forward<T: Element, const VEC: bool, const ACT: u32>(p: &Par
 /// As for [`forward`].
 pub unsafe fn gated_backward<T: Element, const VEC: bool, const ACT: u32>(p: &Params) {
     elementwise::<T, VEC, 3, 2, { Family::GatedBackward.unroll() }>(p, |[dh, a, b]| {
-        [dh * b * grad::<ACT>(a), dh * apply::<ACT>(a)]
+        [
+            dh * b * grad_stored::<T, ACT>(a),
+            dh * apply_stored::<T, ACT>(a),
+        ]
     });
 }
 
