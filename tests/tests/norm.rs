@@ -1416,6 +1416,8 @@ struct ResidualCase<T, R, H> {
     dresidual: Vec<H>,
     gamma: Vec<T>,
     beta: Vec<T>,
+    /// The backward recomputes the statistics from residual_out instead of reading the forward's.
+    recompute: bool,
 }
 
 /// What a residual run produced, in padded buffers that start as poison.
@@ -1446,6 +1448,7 @@ impl<T: TestDtype, R: TestDtype, H: TestDtype> ResidualCase<T, R, H> {
             dresidual: rng.vec(n(strides[3]), -1.0, 1.0),
             gamma: rng.vec(d, 0.5, 1.5),
             beta: rng.vec(d, -0.5, 0.5),
+            recompute: false,
         }
     }
 
@@ -1501,7 +1504,7 @@ impl<T: TestDtype, R: TestDtype, H: TestDtype> ResidualCase<T, R, H> {
                     &dy,
                     &h,
                     &self.gamma,
-                    Some(&out.rstd),
+                    (!self.recompute).then_some(&out.rstd[..]),
                     Some(&dresidual),
                     &mut dx,
                     &mut out.dgamma,
@@ -1528,7 +1531,7 @@ impl<T: TestDtype, R: TestDtype, H: TestDtype> ResidualCase<T, R, H> {
                     &dy,
                     &h,
                     &self.gamma,
-                    Some((&out.mean, &out.rstd)),
+                    (!self.recompute).then_some((&out.mean[..], &out.rstd[..])),
                     Some(&dresidual),
                     &mut dx,
                     &mut out.dgamma,
@@ -1607,7 +1610,7 @@ impl<T: TestDtype, R: TestDtype, H: TestDtype> ResidualCase<T, R, H> {
                 &dyv,
                 &hv,
                 &gamma.as_view(),
-                Some(&rstd_view),
+                (!self.recompute).then_some(&rstd_view),
                 Some(&drv),
                 &mut dxv,
                 &mut dgamma.as_view_mut(),
@@ -1622,7 +1625,7 @@ impl<T: TestDtype, R: TestDtype, H: TestDtype> ResidualCase<T, R, H> {
                     &dyv,
                     &hv,
                     &gamma.as_view(),
-                    Some((&mean_view, &rstd_view)),
+                    (!self.recompute).then_some((&mean_view, &rstd_view)),
                     Some(&drv),
                     &mut dxv,
                     &mut dgamma.as_view_mut(),
@@ -1804,6 +1807,19 @@ fn emulator_residual_stream_in_f32() {
     ]);
     emulated_residual::<f16, f16, f32>(&[(Kind::Rms, SCALAR)]);
     emulated_residual::<bf16, f32, bf16>(&[(LAYER, PACKED)]);
+}
+
+#[test]
+fn emulator_residual_recomputed_statistics() {
+    let mut rng = Rng::fresh("emulator_residual_recomputed_statistics");
+    for (kind, (rows, d, strides)) in [(Kind::Rms, SCALAR), (LAYER, PACKED)] {
+        let mut case = ResidualCase::<bf16, f32, f32>::new(kind, &mut rng, rows, d, strides);
+        case.recompute = true;
+        case.check(
+            &case.run_emulator(&Emulator::new()),
+            "emulator residual recompute",
+        );
+    }
 }
 
 #[test]
@@ -2003,7 +2019,8 @@ fn gpu_residual<T: TestDtype, R: TestDtype, H: TestDtype>() {
     let mut rng = Rng::fresh(&format!("gpu_residual_{}_{}_{}", T::NAME, R::NAME, H::NAME));
     for kind in KINDS {
         for (rows, d, strides) in GPU_RESIDUAL_SHAPES {
-            let case = ResidualCase::<T, R, H>::new(kind, &mut rng, rows, d, strides);
+            let mut case = ResidualCase::<T, R, H>::new(kind, &mut rng, rows, d, strides);
+            case.recompute = kind == Kind::Layer { bias: false };
             case.check(&case.run_gpu(ctx, stream), "gpu residual");
         }
     }
