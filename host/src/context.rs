@@ -11,7 +11,8 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 use normkern_gpu::activation::Family;
-use normkern_gpu::variant::{ActVariant, Dtype, EntryName, TILES, Variant, act};
+use normkern_gpu::norm::Norm;
+use normkern_gpu::variant::{ActVariant, Dtype, EntryName, Variant, act, tiles};
 
 use crate::error::{Error, Result};
 use crate::launch::{Executor, Kernel, Shape};
@@ -22,13 +23,7 @@ const PTX: [(u32, &str); 2] = [
     (80, include_str!("../ptx/normkern_sm80.ptx")),
 ];
 
-/// Kernel families compiled per [`Variant`], and those compiled once per dtype.
-const VARIANT_FAMILIES: [&str; 4] = [
-    "rms_norm_fwd",
-    "rms_norm_bwd",
-    "layer_norm_fwd",
-    "layer_norm_bwd",
-];
+/// Kernel families compiled once per dtype (the norm families are compiled per [`Variant`]).
 const DTYPE_FAMILIES: [&str; 1] = ["column_sum"];
 const DTYPES: [Dtype; 3] = [Dtype::F32, Dtype::F16, Dtype::Bf16];
 
@@ -85,13 +80,13 @@ impl Context {
         let mut names: Vec<EntryName> = Vec::new();
         for dtype in DTYPES {
             names.extend(DTYPE_FAMILIES.iter().map(|f| EntryName::new(f, dtype)));
-            for family in VARIANT_FAMILIES {
+            for (norm, residual) in Norm::ALL.iter().flat_map(|&n| [(n, false), (n, true)]) {
+                let (fwd, bwd) = norm.families(residual);
                 for vec in [true, false] {
-                    names.extend(
-                        TILES
-                            .iter()
-                            .map(|&vpt| Variant { dtype, vec, vpt }.entry_name(family)),
-                    );
+                    for &vpt in tiles(vec, Norm::scalar_streams(residual)) {
+                        let v = Variant { dtype, vec, vpt };
+                        names.extend([v.entry_name(fwd), v.entry_name(bwd)]);
+                    }
                 }
             }
             for family in Family::ALL {

@@ -67,11 +67,11 @@ impl Executor for Emulator {
         // SAFETY (each arm): the op that built the parameters validated every buffer against them.
         match *kernel {
             Kernel::NormForward(n, v, p) => {
-                let body = norm::forward_body(n, v);
+                let body = norm::forward_body(n, p.residual_family(), v);
                 run(&|| unsafe { body(&p) })
             }
             Kernel::NormBackward(n, v, p) => {
-                let body = norm::backward_body(n, v);
+                let body = norm::backward_body(n, p.residual_family(), v);
                 run(&|| unsafe { body(&p) })
             }
             Kernel::ColumnSum(dt, p) => {

@@ -20,8 +20,8 @@ pub(crate) enum Kernel {
 impl Kernel {
     pub(crate) fn entry_name(&self) -> EntryName {
         match self {
-            Kernel::NormForward(n, v, _) => v.entry_name(n.families().0),
-            Kernel::NormBackward(n, v, _) => v.entry_name(n.families().1),
+            Kernel::NormForward(n, v, p) => v.entry_name(n.families(p.residual_family()).0),
+            Kernel::NormBackward(n, v, p) => v.entry_name(n.families(p.residual_family()).1),
             Kernel::ColumnSum(dt, _) => EntryName::new("column_sum", *dt),
             Kernel::Activation(family, v, _) => v.entry_name(family.prefix()),
         }
@@ -82,16 +82,19 @@ pub(crate) struct RowTile {
     pub threads: usize,
 }
 
-/// Picks the tile for a row of `d` elements read `len` at a time. The choice depends on the shape
-/// and on the kernel's register limit only, never on the grid, so reductions keep their order.
+/// Picks the tile for a row of `d` elements read `len` at a time, among register tiles when
+/// `registers` (the family has them for this access) or else streaming. The choice depends on the
+/// shape and on the kernel's register limit only, never on the grid, so reductions keep their order.
 pub(crate) fn row_tile(
     d: usize,
     len: usize,
+    registers: bool,
     max_threads: impl Fn(usize) -> Result<usize>,
 ) -> Result<RowTile> {
     let accesses = d.div_ceil(len);
     let threads_for = |vpt: usize| accesses.div_ceil(vpt).next_multiple_of(32);
-    for vpt in [1, 2, 4] {
+    let register_tiles: &[usize] = if registers { &[1, 2, 4] } else { &[] };
+    for &vpt in register_tiles {
         if threads_for(vpt) <= PREFERRED_THREADS {
             return Ok(RowTile {
                 vpt,
@@ -99,7 +102,7 @@ pub(crate) fn row_tile(
             });
         }
     }
-    for vpt in [2, 4] {
+    for &vpt in register_tiles.iter().skip(1) {
         if threads_for(vpt) <= max_threads(vpt)?.min(1024) {
             return Ok(RowTile {
                 vpt,

@@ -7,6 +7,9 @@
 //! fixed-order column sum as RMSNorm (the kernels are the same bodies), in an explicit fp32
 //! workspace of [`workspace_len`] elements. No device memory is allocated and nothing synchronizes
 //! inside a call.
+//!
+//! [`forward_residual`] and [`backward_residual`] fuse the residual add of a pre-norm block, as
+//! RMSNorm's do.
 
 use std::sync::Arc;
 
@@ -20,8 +23,8 @@ use crate::emulator::Emulator;
 use crate::error::{Error, Result};
 use crate::launch::group_layout;
 use crate::norm::{
-    Backward, Forward, NormConfig, check_grad_dtype, opt_ptr, params_f32, validate_backward,
-    validate_forward,
+    Backward, Forward, HostResidual, NormConfig, ResidualRows, check_grad_dtype, opt_ptr,
+    params_f32, validate_backward, validate_forward, validate_residual, validate_residual_backward,
 };
 use crate::tensor::{Dtype, Rows, RowsMut, RowsRef};
 
@@ -52,11 +55,52 @@ pub fn forward<T: Dtype, P: Dtype>(
     mean: Option<&mut CudaViewMut<'_, f32>>,
     rstd: Option<&mut CudaViewMut<'_, f32>>,
 ) -> Result<()> {
+    forward_impl::<T, T, T, P>(ctx, stream, cfg, x, None, gamma, beta, y, mean, rstd)
+}
+
+/// LayerNorm forward with the residual add fused in: `h = x + residual` is written to
+/// `residual_out` and normalized as stored, exactly as [`crate::rms_norm::forward_residual`]
+/// describes (same dtypes, strides and rules).
+#[allow(clippy::too_many_arguments)]
+pub fn forward_residual<T: Dtype, R: Dtype, H: Dtype, P: Dtype>(
+    ctx: &Context,
+    stream: &CudaStream,
+    cfg: &NormConfig,
+    x: &RowsRef<'_, T>,
+    residual: &RowsRef<'_, R>,
+    gamma: &CudaView<'_, P>,
+    beta: Option<&CudaView<'_, P>>,
+    y: &mut RowsMut<'_, T>,
+    residual_out: &mut RowsMut<'_, H>,
+    mean: Option<&mut CudaViewMut<'_, f32>>,
+    rstd: Option<&mut CudaViewMut<'_, f32>>,
+) -> Result<()> {
+    let residual = Some((residual, residual_out));
+    forward_impl(ctx, stream, cfg, x, residual, gamma, beta, y, mean, rstd)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn forward_impl<T: Dtype, R: Dtype, H: Dtype, P: Dtype>(
+    ctx: &Context,
+    stream: &CudaStream,
+    cfg: &NormConfig,
+    x: &RowsRef<'_, T>,
+    residual: Option<(&RowsRef<'_, R>, &mut RowsMut<'_, H>)>,
+    gamma: &CudaView<'_, P>,
+    beta: Option<&CudaView<'_, P>>,
+    y: &mut RowsMut<'_, T>,
+    mean: Option<&mut CudaViewMut<'_, f32>>,
+    rstd: Option<&mut CudaViewMut<'_, f32>>,
+) -> Result<()> {
     let stats = [
         ("mean", mean.as_ref().map(|m| m.len())),
         ("rstd", rstd.as_ref().map(|r| r.len())),
     ];
     validate_forward(x, gamma.len(), beta.map(|b| b.len()), cfg, y, &stats)?;
+    let residual_f32 = match &residual {
+        Some((r, o)) => Some(validate_residual::<T, _, _>(x, r, o)?),
+        None => None,
+    };
     let params_f32 = params_f32::<T, P>()?;
     ctx.check_context("stream", stream)?;
     ctx.check_context("x", x.data.stream())?;
@@ -71,6 +115,13 @@ pub fn forward<T: Dtype, P: Dtype>(
             ctx.check_context(what, s)?;
         }
     }
+    let (residual, _residual) = match residual.zip(residual_f32) {
+        Some(((r, o), f32s)) => {
+            let (rows, guards) = ResidualRows::device(ctx, stream, r, o, f32s)?;
+            (Some(rows), Some(guards))
+        }
+        None => (None, None),
+    };
     let (x_ptr, _x) = x.data.device_ptr(stream);
     let (gamma_ptr, _gamma) = gamma.device_ptr(stream);
     let (beta_ptr, _beta) = opt_ptr!(beta, stream, device_ptr);
@@ -90,6 +141,7 @@ pub fn forward<T: Dtype, P: Dtype>(
         rstd: rstd_ptr,
         cfg: *cfg,
         params_f32,
+        residual,
     }
     .run(&Gpu { ctx, stream })
 }
@@ -113,6 +165,30 @@ pub fn backward<T: Dtype, P: Dtype, G: Dtype>(
     dbeta: Option<&mut CudaViewMut<'_, G>>,
     workspace: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
+    backward_residual(
+        ctx, stream, cfg, dy, x, gamma, stats, None, dx, dgamma, dbeta, workspace,
+    )
+}
+
+/// The backward of [`forward_residual`]: [`backward`] with `x` the forward's `residual_out` (in
+/// dy's dtype or f32) and, when given, `dresidual` (the gradient arriving on `residual_out`, same
+/// dtype and shape, own stride) added into dx in the same pass, as
+/// [`crate::rms_norm::backward_residual`] describes.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_residual<T: Dtype, H: Dtype, P: Dtype, G: Dtype>(
+    ctx: &Context,
+    stream: &CudaStream,
+    cfg: &NormConfig,
+    dy: &RowsRef<'_, T>,
+    x: &RowsRef<'_, H>,
+    gamma: &CudaView<'_, P>,
+    stats: Option<(&CudaView<'_, f32>, &CudaView<'_, f32>)>,
+    dresidual: Option<&RowsRef<'_, H>>,
+    dx: &mut RowsMut<'_, T>,
+    dgamma: &mut CudaViewMut<'_, G>,
+    dbeta: Option<&mut CudaViewMut<'_, G>>,
+    workspace: &mut CudaViewMut<'_, f32>,
+) -> Result<()> {
     validate_backward(
         cfg,
         dy,
@@ -130,6 +206,7 @@ pub fn backward<T: Dtype, P: Dtype, G: Dtype>(
         workspace.len(),
         workspace_len(x.rows, x.d),
     )?;
+    let x_f32 = validate_residual_backward::<T, _>(x, dresidual)?;
     let params_f32 = params_f32::<T, P>()?;
     check_grad_dtype::<T, P, G>()?;
     ctx.check_context("stream", stream)?;
@@ -150,11 +227,15 @@ pub fn backward<T: Dtype, P: Dtype, G: Dtype>(
         ctx.check_context("mean", mean.stream())?;
         ctx.check_context("rstd", rstd.stream())?;
     }
+    if let Some(r) = dresidual {
+        ctx.check_context("dresidual", r.data.stream())?;
+    }
     let (dy_ptr, _dy) = dy.data.device_ptr(stream);
     let (x_ptr, _x) = x.data.device_ptr(stream);
     let (gamma_ptr, _gamma) = gamma.device_ptr(stream);
     let (mean_ptr, _mean) = opt_ptr!(stats.map(|s| s.0), stream, device_ptr);
     let (rstd_ptr, _rstd) = opt_ptr!(stats.map(|s| s.1), stream, device_ptr);
+    let (dres_ptr, _dres) = opt_ptr!(dresidual.map(|r| &r.data), stream, device_ptr);
     let (dx_ptr, _dx) = dx.data.device_ptr_mut(stream);
     let (dgamma_ptr, _dgamma) = dgamma.device_ptr_mut(stream);
     let (dbeta_ptr, _dbeta) = opt_ptr!(dbeta, stream, device_ptr_mut);
@@ -176,6 +257,8 @@ pub fn backward<T: Dtype, P: Dtype, G: Dtype>(
         cfg: *cfg,
         params_f32,
         grad_dtype: G::KERNEL,
+        x_f32,
+        dresidual: (dres_ptr, dresidual.map_or(0, |r| r.stride)),
     }
     .run(&Gpu { ctx, stream })
 }
@@ -193,11 +276,52 @@ impl Emulator {
         mean: Option<&mut [f32]>,
         rstd: Option<&mut [f32]>,
     ) -> Result<()> {
+        self.layer_norm_forward_impl::<T, T, T, P>(cfg, x, None, gamma, beta, y, mean, rstd)
+    }
+
+    /// [`forward_residual`] on host memory, run by the CPU emulator.
+    #[allow(clippy::too_many_arguments)]
+    pub fn layer_norm_forward_residual<T: Dtype, R: Dtype, H: Dtype, P: Dtype>(
+        &self,
+        cfg: &NormConfig,
+        x: &Rows<&[T]>,
+        residual: &Rows<&[R]>,
+        gamma: &[P],
+        beta: Option<&[P]>,
+        y: &mut Rows<&mut [T]>,
+        residual_out: &mut Rows<&mut [H]>,
+        mean: Option<&mut [f32]>,
+        rstd: Option<&mut [f32]>,
+    ) -> Result<()> {
+        let residual = Some((residual, residual_out));
+        self.layer_norm_forward_impl(cfg, x, residual, gamma, beta, y, mean, rstd)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn layer_norm_forward_impl<T: Dtype, R: Dtype, H: Dtype, P: Dtype>(
+        &self,
+        cfg: &NormConfig,
+        x: &Rows<&[T]>,
+        residual: Option<HostResidual<'_, '_, '_, R, H>>,
+        gamma: &[P],
+        beta: Option<&[P]>,
+        y: &mut Rows<&mut [T]>,
+        mean: Option<&mut [f32]>,
+        rstd: Option<&mut [f32]>,
+    ) -> Result<()> {
         let stats = [
             ("mean", mean.as_ref().map(|m| m.len())),
             ("rstd", rstd.as_ref().map(|r| r.len())),
         ];
         validate_forward(x, gamma.len(), beta.map(|b| b.len()), cfg, y, &stats)?;
+        let residual = match residual {
+            Some((r, o)) => Some(ResidualRows::host(
+                r,
+                o,
+                validate_residual::<T, _, _>(x, r, o)?,
+            )),
+            None => None,
+        };
         let params_f32 = params_f32::<T, P>()?;
         Forward {
             norm: Norm::Layer,
@@ -212,6 +336,7 @@ impl Emulator {
             rstd: rstd.map_or(0, |r| r.as_mut_ptr() as u64),
             cfg: *cfg,
             params_f32,
+            residual,
         }
         .run(self)
     }
@@ -225,6 +350,26 @@ impl Emulator {
         x: &Rows<&[T]>,
         gamma: &[P],
         stats: Option<(&[f32], &[f32])>,
+        dx: &mut Rows<&mut [T]>,
+        dgamma: &mut [G],
+        dbeta: Option<&mut [G]>,
+        workspace: &mut [f32],
+    ) -> Result<()> {
+        self.layer_norm_backward_residual(
+            cfg, dy, x, gamma, stats, None, dx, dgamma, dbeta, workspace,
+        )
+    }
+
+    /// [`backward_residual`] on host memory, run by the CPU emulator.
+    #[allow(clippy::too_many_arguments)]
+    pub fn layer_norm_backward_residual<T: Dtype, H: Dtype, P: Dtype, G: Dtype>(
+        &self,
+        cfg: &NormConfig,
+        dy: &Rows<&[T]>,
+        x: &Rows<&[H]>,
+        gamma: &[P],
+        stats: Option<(&[f32], &[f32])>,
+        dresidual: Option<&Rows<&[H]>>,
         dx: &mut Rows<&mut [T]>,
         dgamma: &mut [G],
         dbeta: Option<&mut [G]>,
@@ -247,6 +392,7 @@ impl Emulator {
             workspace.len(),
             workspace_len(x.rows, x.d),
         )?;
+        let x_f32 = validate_residual_backward::<T, _>(x, dresidual)?;
         let params_f32 = params_f32::<T, P>()?;
         check_grad_dtype::<T, P, G>()?;
         Backward {
@@ -266,6 +412,8 @@ impl Emulator {
             cfg: *cfg,
             params_f32,
             grad_dtype: G::KERNEL,
+            x_f32,
+            dresidual: dresidual.map_or((0, 0), |r| (r.data.as_ptr() as u64, r.stride)),
         }
         .run(self)
     }

@@ -5,12 +5,15 @@
 use normkern_gpu::norm::{BackwardParams, ForwardParams, Norm};
 use normkern_gpu::variant::{Dtype as KernelDtype, Variant};
 
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
+
+use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::launch::{
     Executor, Kernel, ROW_KERNEL_SHARED_BYTES, Shape, check_eps, group_layout, launch_column_sum,
     packs_fit, row_tile,
 };
-use crate::tensor::{Buffer, Dtype, Rows, expect_len};
+use crate::tensor::{Buffer, Dtype, Rows, RowsMut, RowsRef, expect_len};
 
 /// Device address of an optional buffer (0 when absent) and the guard ordering it on `stream`.
 macro_rules! opt_ptr {
@@ -85,6 +88,63 @@ pub(crate) struct Forward {
     pub cfg: NormConfig,
     /// γ and β stored as f32 rather than in `dtype`.
     pub params_f32: bool,
+    /// Residual fusion: h = x + residual is written to `residual_out` and normalized instead of x.
+    pub residual: Option<ResidualRows>,
+}
+
+/// The residual operands of a forward: `(address, stride)` of each and whether it is stored as
+/// f32 (otherwise in the activations' dtype).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ResidualRows {
+    pub input: (u64, usize),
+    pub output: (u64, usize),
+    pub input_f32: bool,
+    pub output_f32: bool,
+}
+
+/// A forward's residual operands in host memory (the emulator): `residual`, `residual_out`.
+pub(crate) type HostResidual<'a, 'r, 'h, R, H> = (&'a Rows<&'r [R]>, &'a mut Rows<&'h mut [H]>);
+
+impl ResidualRows {
+    /// The residual operands of an emulated forward (host slices), with the dtypes validation found.
+    pub(crate) fn host<R: Dtype, H: Dtype>(
+        residual: &Rows<&[R]>,
+        residual_out: &mut Rows<&mut [H]>,
+        (input_f32, output_f32): (bool, bool),
+    ) -> Self {
+        ResidualRows {
+            input: (residual.data.as_ptr() as u64, residual.stride),
+            output: (residual_out.data.as_mut_ptr() as u64, residual_out.stride),
+            input_f32,
+            output_f32,
+        }
+    }
+
+    /// The residual operands of a forward on the device, with the dtypes validation found: checks
+    /// their context, then takes their addresses and the guards that order them on `stream`
+    /// (keep them until the launch is enqueued).
+    pub(crate) fn device<'a, R: Dtype, H: Dtype>(
+        ctx: &Context,
+        stream: &'a CudaStream,
+        residual: &'a RowsRef<'_, R>,
+        residual_out: &'a mut RowsMut<'_, H>,
+        (input_f32, output_f32): (bool, bool),
+    ) -> Result<(Self, [SyncOnDrop<'a>; 2])> {
+        ctx.check_context("residual", residual.data.stream())?;
+        ctx.check_context("residual_out", residual_out.data.stream())?;
+        let out_stride = residual_out.stride;
+        let (input, input_guard) = residual.data.device_ptr(stream);
+        let (output, output_guard) = residual_out.data.device_ptr_mut(stream);
+        Ok((
+            ResidualRows {
+                input: (input, residual.stride),
+                output: (output, out_stride),
+                input_f32,
+                output_f32,
+            },
+            [input_guard, output_guard],
+        ))
+    }
 }
 
 /// A validated backward. `rstd == 0`: recompute the statistics from x. `dbeta == 0`: no dβ. The workspace holds the dγ partials, then (with
@@ -108,6 +168,17 @@ pub(crate) struct Backward {
     pub params_f32: bool,
     /// Storage of dγ and dβ.
     pub grad_dtype: KernelDtype,
+    /// x (and `dresidual`) stored as f32 rather than in `dtype`.
+    pub x_f32: bool,
+    /// The gradient arriving on the forward's `residual_out`, added into dx; address 0 for none.
+    pub dresidual: (u64, usize),
+}
+
+/// A row stride in elements of the activations' dtype (`elem_bytes`), as [`packs_fit`] counts
+/// them: an f32 row's stride scaled by `4 / elem_bytes`, so the test "a multiple of the pack"
+/// becomes "a multiple of 16 bytes" for it too.
+fn stride_in_elems(stride: usize, f32: bool, elem_bytes: usize) -> usize {
+    if f32 { stride * 4 / elem_bytes } else { stride }
 }
 
 fn inv(d: usize) -> f32 {
@@ -122,7 +193,16 @@ impl Forward {
         }
         let mut addrs = vec![self.x.0, self.y.0, self.gamma];
         addrs.extend((self.beta != 0).then_some(self.beta));
-        let vec = packs_fit(dtype.bytes(), d, &addrs, &[self.x.1, self.y.1]);
+        let mut strides = vec![self.x.1, self.y.1];
+        let res = self.residual;
+        if let Some(r) = res {
+            addrs.extend([r.input.0, r.output.0]);
+            strides.extend([
+                stride_in_elems(r.input.1, r.input_f32, dtype.bytes()),
+                stride_in_elems(r.output.1, r.output_f32, dtype.bytes()),
+            ]);
+        }
+        let vec = packs_fit(dtype.bytes(), d, &addrs, &strides);
         let params = ForwardParams {
             x: self.x.0,
             y: self.y.0,
@@ -138,8 +218,14 @@ impl Forward {
             inv_d: inv(d),
             gamma_offset: self.cfg.gamma_offset,
             params_f32: self.params_f32 as u32,
+            residual: res.map_or(0, |r| r.input.0),
+            residual_out: res.map_or(0, |r| r.output.0),
+            residual_stride: res.map_or(0, |r| r.input.1 as u64),
+            residual_out_stride: res.map_or(0, |r| r.output.1 as u64),
+            residual_f32: res.is_some_and(|r| r.input_f32) as u32,
+            residual_out_f32: res.is_some_and(|r| r.output_f32) as u32,
         };
-        launch_rows(exec, dtype, vec, d, rows, |variant| {
+        launch_rows(exec, dtype, vec, res.is_some(), d, rows, |variant| {
             Kernel::NormForward(self.norm, variant, params)
         })
     }
@@ -159,7 +245,13 @@ impl Backward {
             // The workspace takes 16-byte stores on the packed path: it must be aligned like the rest.
             let mut addrs = vec![self.dy.0, self.x.0, self.dx.0, self.gamma, self.workspace];
             addrs.extend((dbeta_partials != 0).then_some(dbeta_partials));
-            let vec = packs_fit(dtype.bytes(), d, &addrs, &[self.dy.1, self.x.1, self.dx.1]);
+            let x_stride = stride_in_elems(self.x.1, self.x_f32, dtype.bytes());
+            let mut strides = vec![self.dy.1, x_stride, self.dx.1];
+            if self.dresidual.0 != 0 {
+                addrs.push(self.dresidual.0);
+                strides.push(stride_in_elems(self.dresidual.1, self.x_f32, dtype.bytes()));
+            }
+            let vec = packs_fit(dtype.bytes(), d, &addrs, &strides);
             let params = BackwardParams {
                 x: self.x.0,
                 dy: self.dy.0,
@@ -180,8 +272,12 @@ impl Backward {
                 gamma_offset: self.cfg.gamma_offset,
                 eps: self.cfg.eps,
                 params_f32: self.params_f32 as u32,
+                x_f32: self.x_f32 as u32,
+                dresidual: self.dresidual.0,
+                dresidual_stride: self.dresidual.1 as u64,
             };
-            launch_rows(exec, dtype, vec, d, groups, |variant| {
+            let residual = params.residual_family();
+            launch_rows(exec, dtype, vec, residual, d, groups, |variant| {
                 Kernel::NormBackward(self.norm, variant, params)
             })?;
         }
@@ -206,13 +302,17 @@ fn launch_rows(
     exec: &dyn Executor,
     dtype: KernelDtype,
     vec: bool,
+    residual: bool,
     d: usize,
     work: usize,
     kernel: impl Fn(Variant) -> Kernel,
 ) -> Result<()> {
     let variant = |vpt| Variant { dtype, vec, vpt };
     let len = if vec { 16 / dtype.bytes() } else { 1 };
-    let tile = row_tile(d, len, |vpt| exec.max_threads(&kernel(variant(vpt))))?;
+    let registers = vec || !Norm::scalar_streams(residual);
+    let tile = row_tile(d, len, registers, |vpt| {
+        exec.max_threads(&kernel(variant(vpt)))
+    })?;
     let k = kernel(variant(tile.vpt));
     let grid = exec.persistent_grid(&k, work, tile.threads, ROW_KERNEL_SHARED_BYTES)?;
     exec.launch(
@@ -228,18 +328,58 @@ fn launch_rows(
 /// Whether parameters stored as `P` next to activations stored as `T` are f32 parameters (mixed
 /// precision). Supported: `P == T`, or `P == f32`.
 pub(crate) fn params_f32<T: Dtype, P: Dtype>() -> Result<bool> {
-    if P::KERNEL == T::KERNEL {
+    stored_f32::<T, P>(
+        "gamma/beta",
+        "parameters must be in the activations' dtype or f32",
+    )
+}
+
+/// Whether an operand stored as `S` next to activations stored as `T` is stored as f32 rather
+/// than in `T`; any other `S` is an [`Error::UnsupportedDtypes`].
+fn stored_f32<T: Dtype, S: Dtype>(what: &'static str, supported: &'static str) -> Result<bool> {
+    if S::KERNEL == T::KERNEL {
         Ok(false)
-    } else if P::KERNEL == KernelDtype::F32 {
+    } else if S::KERNEL == KernelDtype::F32 {
         Ok(true)
     } else {
         Err(Error::UnsupportedDtypes {
-            what: "gamma/beta",
-            dtype: P::KERNEL.name(),
+            what,
+            dtype: S::KERNEL.name(),
             activations: T::KERNEL.name(),
-            supported: "parameters must be in the activations' dtype or f32",
+            supported,
         })
     }
+}
+
+/// Shapes and dtypes of a forward's residual operands (both like `x`, each in `T` or f32):
+/// whether `residual` and `residual_out` are stored as f32.
+pub(crate) fn validate_residual<T: Dtype, R: Buffer, H: Buffer>(
+    x: &Rows<impl Buffer>,
+    residual: &Rows<R>,
+    residual_out: &Rows<H>,
+) -> Result<(bool, bool)> {
+    residual.expect_shape("residual", x.rows, x.d)?;
+    residual_out.expect_shape("residual_out", x.rows, x.d)?;
+    let supported = "residual rows must be in the activations' dtype or f32";
+    Ok((
+        stored_f32::<T, R::Elem>("residual", supported)?,
+        stored_f32::<T, H::Elem>("residual_out", supported)?,
+    ))
+}
+
+/// Shape and dtype of a residual backward's `dresidual` (like `x`): whether x and dresidual, the
+/// forward's `residual_out` and its gradient, are stored as f32 rather than in dy's dtype `T`.
+pub(crate) fn validate_residual_backward<T: Dtype, X: Buffer>(
+    x: &Rows<X>,
+    dresidual: Option<&Rows<impl Buffer<Elem = X::Elem>>>,
+) -> Result<bool> {
+    if let Some(dr) = dresidual {
+        dr.expect_shape("dresidual", x.rows, x.d)?;
+    }
+    stored_f32::<T, X::Elem>(
+        "x (residual_out)",
+        "the residual stream must be in the activations' dtype or f32",
+    )
 }
 
 /// Checks that gradients stored as `G` fit parameters stored as `P`: `G == P`, or `G == f32`.

@@ -30,6 +30,13 @@ pub trait Element: Copy + 'static {
     /// # Safety
     /// `p` is writable and aligned for the dtype.
     unsafe fn store_one(p: *mut u8, pack: &Pack);
+    /// `v` as this dtype stores it, back in f32.
+    #[inline(always)]
+    fn round(v: f32) -> f32 {
+        let mut pack: Pack = [0; 4];
+        Self::set(&mut pack, 0, v);
+        Self::get(&pack, 0)
+    }
 }
 
 /// IEEE binary32.
@@ -213,4 +220,83 @@ pub unsafe fn load_f32s<const VEC: bool>(ws_row: u64, elem: usize, len: usize) -
         vals[0] = unsafe { (base as *const f32).read() };
     }
     vals
+}
+
+/// One access (`Access::<T, VEC>::LEN` elements) of rows stored either in `T` or as f32, as loaded:
+/// the bits of one pack of `T`, or of up to two packs of f32 (eight f32 next to 16-bit `T`).
+pub type Wide = [Pack; 2];
+
+/// Rows stored in the activations' dtype `T` or, when `f32` is set, as f32 whatever `T` is (an
+/// fp32 residual stream next to bf16 activations). Accesses follow `T`'s: `Access::<T, VEC>::LEN`
+/// elements at a time, so they line up with the `T` operands of the same kernel.
+#[derive(Clone, Copy, Debug)]
+pub struct MixedRows {
+    pub base: u64,
+    /// In elements of the stored dtype.
+    pub stride: u64,
+    pub is_f32: bool,
+}
+
+impl MixedRows {
+    /// Address of row `row`.
+    #[inline(always)]
+    pub fn row<T: Element>(&self, row: usize) -> u64 {
+        if self.is_f32 {
+            row_addr::<F32>(self.base, row, self.stride)
+        } else {
+            row_addr::<T>(self.base, row, self.stride)
+        }
+    }
+
+    /// Loads the access at element `elem` of the row at `row` (from [`Self::row`]; no conversion:
+    /// see [`Self::get`]).
+    ///
+    /// # Safety
+    /// The access lies inside the rows, aligned as `VEC` requires for the stored dtype.
+    #[inline(always)]
+    pub unsafe fn load<T: Element, const VEC: bool>(&self, row: u64, elem: usize) -> Wide {
+        if !self.is_f32 {
+            return [unsafe { Access::<T, VEC>::load(row, elem) }, [0; 4]];
+        }
+        // Constant indices only: a loop over the packs left `w` in local memory.
+        let mut w: Wide = [unsafe { Access::<F32, VEC>::load(row, elem) }, [0; 4]];
+        if Access::<T, VEC>::LEN > 4 {
+            w[1] = unsafe { Access::<F32, VEC>::load(row, elem + 4) };
+        }
+        w
+    }
+
+    /// Element `i` of a loaded access, in f32.
+    #[inline(always)]
+    pub fn get<T: Element>(&self, w: &Wide, i: usize) -> f32 {
+        if self.is_f32 {
+            F32::get(&w[i / 4], i % 4)
+        } else {
+            T::get(&w[0], i)
+        }
+    }
+
+    /// `v` rounded as these rows store it.
+    #[inline(always)]
+    pub fn round<T: Element>(&self, v: f32) -> f32 {
+        if self.is_f32 { v } else { T::round(v) }
+    }
+
+    /// Stores the access at element `elem` of row `row` from f32 values.
+    ///
+    /// # Safety
+    /// As for [`Self::load`], writable.
+    #[inline(always)]
+    pub unsafe fn store<T: Element, const VEC: bool>(&self, row: u64, elem: usize, v: &[f32; 8]) {
+        let len = Access::<T, VEC>::LEN;
+        if self.is_f32 {
+            unsafe { store_f32s::<VEC>(row, elem, v, len) };
+        } else {
+            let mut pack: Pack = [0; 4];
+            for i in 0..len {
+                T::set(&mut pack, i, v[i]);
+            }
+            unsafe { Access::<T, VEC>::store(row, elem, &pack) };
+        }
+    }
 }

@@ -12,13 +12,22 @@
 //! [`crate::reduce::column_sum`] then adds the groups in a fixed order. The group count is a
 //! function of the shape only, so dγ and dβ are the same bits on any grid and any GPU.
 //!
+//! Residual fusion (the `_res` families): the forward reads `x` and `residual`, writes
+//! `h = x + residual` (fp32 sum, one rounding) to `residual_out` and normalizes h *as stored*, so a
+//! backward that takes `residual_out` as its x sees exactly the row the forward normalized. The
+//! backward adds the gradient arriving on `residual_out` into dx before its one rounding. Residual
+//! rows are in the activations' dtype or f32 (a runtime flag, like the parameters'), so one family
+//! covers both without another set of instances. The plain families contain none of it: where
+//! the row comes from is a type parameter of the bodies (`RowSource`), so their instances do the
+//! same work as before.
+//!
 //! One block works on one row at a time. Register tiles (`VPT` = 1, 2, 4 accesses per thread)
 //! load the whole row once and keep it on chip: 16-byte packs give every thread `VPT·16` bytes in
 //! flight per operand. Rows too wide for registers use the streaming instance (`VPT` = 0), which
 //! reads the row more than once — the later reads mostly hit L2.
 
 use crate::arch;
-use crate::element::{Access, Element, Pack, load_f32s, row_addr, store_f32s};
+use crate::element::{Access, Element, MixedRows, Pack, Wide, load_f32s, row_addr, store_f32s};
 use crate::reduce::BlockReducer;
 use crate::variant::export_family;
 
@@ -44,6 +53,14 @@ pub struct ForwardParams {
     pub gamma_offset: f32,
     /// 1: γ and β are stored as f32 (whatever the activations' dtype); 0: in the activations' dtype.
     pub params_f32: u32,
+    /// Residual families only: `h = x + residual` is written to `residual_out` and normalized.
+    pub residual: u64,
+    pub residual_out: u64,
+    pub residual_stride: u64,
+    pub residual_out_stride: u64,
+    /// 1: stored as f32; 0: in the activations' dtype (each of the two on its own).
+    pub residual_f32: u32,
+    pub residual_out_f32: u32,
 }
 
 /// Launch parameters of the backward (dx and the dγ, dβ partials).
@@ -76,6 +93,228 @@ pub struct BackwardParams {
     pub eps: f32,
     /// 1: γ is stored as f32; 0: in the activations' dtype.
     pub params_f32: u32,
+    /// Residual families only: 1 when x (the forward's `residual_out`) and `dresidual` are stored
+    /// as f32 rather than in dy's dtype.
+    pub x_f32: u32,
+    /// Residual families only: the gradient arriving on the forward's `residual_out`, added into
+    /// dx; 0 for none.
+    pub dresidual: u64,
+    pub dresidual_stride: u64,
+}
+
+/// The row a body normalizes (forward) or differentiates through (backward), one access
+/// (`Access::<T, VEC>::LEN` elements) at a time. `load` only issues loads; `hold` does the
+/// arithmetic on them, so a prefetched row costs registers but no wait until it is used.
+trait RowSource<T: Element, const VEC: bool>: Copy {
+    /// Row addresses, computed once per row.
+    type Row: Copy;
+    /// One access as loaded.
+    type Raw: Copy + Default;
+    /// One access ready for use.
+    type Held: Copy + Default;
+    /// Backward: one access of what is added into dx (dresidual), as loaded.
+    type Extra: Copy + Default;
+    /// Raw accesses hold more than one pack of `T`: too many registers to prefetch the widest tile.
+    const WIDE: bool;
+    fn row(&self, row: usize) -> Self::Row;
+    /// # Safety
+    /// The access lies inside the rows, aligned as `VEC` requires.
+    unsafe fn load(&self, row: &Self::Row, elem: usize) -> Self::Raw;
+    fn hold(&self, raw: &Self::Raw) -> Self::Held;
+    /// Element `i` of the row, in f32.
+    fn get(held: &Self::Held, i: usize) -> f32;
+    /// Forward: writes what is kept besides y (the residual sum).
+    ///
+    /// # Safety
+    /// As for [`Self::load`], writable.
+    #[inline(always)]
+    unsafe fn emit(&self, _row: &Self::Row, _elem: usize, _held: &Self::Held) {}
+    /// Backward: loads one access of what is added into dx.
+    ///
+    /// # Safety
+    /// As for [`Self::load`].
+    #[inline(always)]
+    unsafe fn load_extra(&self, _row: &Self::Row, _elem: usize) -> Self::Extra {
+        Self::Extra::default()
+    }
+    /// Backward: element `i` of dx with the gradient arriving from elsewhere (dresidual) added.
+    #[inline(always)]
+    fn dx(&self, _extra: &Self::Extra, _i: usize, dx: f32) -> f32 {
+        dx
+    }
+}
+
+/// x itself, in the activations' dtype: the plain families. Held as loaded (packed `T`), which is
+/// what lets a bf16 row fit in half the registers of its f32 image.
+#[derive(Clone, Copy)]
+struct Plain {
+    x: u64,
+    stride: u64,
+}
+
+impl<T: Element, const VEC: bool> RowSource<T, VEC> for Plain {
+    type Row = u64;
+    type Raw = Pack;
+    type Held = Pack;
+    type Extra = ();
+    const WIDE: bool = false;
+    #[inline(always)]
+    fn row(&self, row: usize) -> u64 {
+        row_addr::<T>(self.x, row, self.stride)
+    }
+    #[inline(always)]
+    unsafe fn load(&self, row: &u64, elem: usize) -> Pack {
+        unsafe { Access::<T, VEC>::load(*row, elem) }
+    }
+    #[inline(always)]
+    fn hold(&self, raw: &Pack) -> Pack {
+        *raw
+    }
+    #[inline(always)]
+    fn get(held: &Pack, i: usize) -> f32 {
+        T::get(held, i)
+    }
+}
+
+/// The forward of the residual families: `h = x + residual`, rounded as `residual_out` stores it
+/// and written there.
+#[derive(Clone, Copy)]
+struct AddResidual {
+    x: Plain,
+    residual: MixedRows,
+    out: MixedRows,
+}
+
+impl AddResidual {
+    fn new(p: &ForwardParams) -> Self {
+        AddResidual {
+            x: Plain {
+                x: p.x,
+                stride: p.x_stride,
+            },
+            residual: MixedRows {
+                base: p.residual,
+                stride: p.residual_stride,
+                is_f32: p.residual_f32 != 0,
+            },
+            out: MixedRows {
+                base: p.residual_out,
+                stride: p.residual_out_stride,
+                is_f32: p.residual_out_f32 != 0,
+            },
+        }
+    }
+}
+
+impl<T: Element, const VEC: bool> RowSource<T, VEC> for AddResidual {
+    /// x, residual, residual_out.
+    type Row = (u64, u64, u64);
+    type Raw = (Pack, Wide);
+    type Held = [f32; 8];
+    type Extra = ();
+    const WIDE: bool = true;
+    #[inline(always)]
+    fn row(&self, row: usize) -> (u64, u64, u64) {
+        (
+            RowSource::<T, VEC>::row(&self.x, row),
+            self.residual.row::<T>(row),
+            self.out.row::<T>(row),
+        )
+    }
+    #[inline(always)]
+    unsafe fn load(&self, row: &(u64, u64, u64), elem: usize) -> (Pack, Wide) {
+        unsafe {
+            (
+                Access::<T, VEC>::load(row.0, elem),
+                self.residual.load::<T, VEC>(row.1, elem),
+            )
+        }
+    }
+    #[inline(always)]
+    fn hold(&self, (x, r): &(Pack, Wide)) -> [f32; 8] {
+        let mut h = [0.0f32; 8];
+        for i in 0..Access::<T, VEC>::LEN {
+            h[i] = self
+                .out
+                .round::<T>(T::get(x, i) + self.residual.get::<T>(r, i));
+        }
+        h
+    }
+    #[inline(always)]
+    fn get(held: &[f32; 8], i: usize) -> f32 {
+        held[i]
+    }
+    #[inline(always)]
+    unsafe fn emit(&self, row: &(u64, u64, u64), elem: usize, h: &[f32; 8]) {
+        unsafe { self.out.store::<T, VEC>(row.2, elem, h) }
+    }
+}
+
+/// The backward of the residual families: x (the forward's `residual_out`) in the activations'
+/// dtype or f32, and the gradient arriving on it (`dresidual`, same dtype, optional).
+#[derive(Clone, Copy)]
+struct ResidualBackward {
+    x: MixedRows,
+    dresidual: MixedRows,
+}
+
+impl ResidualBackward {
+    fn new(p: &BackwardParams) -> Self {
+        let is_f32 = p.x_f32 != 0;
+        ResidualBackward {
+            x: MixedRows {
+                base: p.x,
+                stride: p.x_stride,
+                is_f32,
+            },
+            dresidual: MixedRows {
+                base: p.dresidual,
+                stride: p.dresidual_stride,
+                is_f32,
+            },
+        }
+    }
+}
+
+impl<T: Element, const VEC: bool> RowSource<T, VEC> for ResidualBackward {
+    /// x, dresidual.
+    type Row = (u64, u64);
+    type Raw = Wide;
+    type Held = [f32; 8];
+    type Extra = Wide;
+    const WIDE: bool = true;
+    #[inline(always)]
+    fn row(&self, row: usize) -> (u64, u64) {
+        (self.x.row::<T>(row), self.dresidual.row::<T>(row))
+    }
+    #[inline(always)]
+    unsafe fn load(&self, row: &(u64, u64), elem: usize) -> Wide {
+        unsafe { self.x.load::<T, VEC>(row.0, elem) }
+    }
+    #[inline(always)]
+    fn hold(&self, x: &Wide) -> [f32; 8] {
+        let mut held = [0.0f32; 8];
+        for i in 0..Access::<T, VEC>::LEN {
+            held[i] = self.x.get::<T>(x, i);
+        }
+        held
+    }
+    #[inline(always)]
+    fn get(held: &[f32; 8], i: usize) -> f32 {
+        held[i]
+    }
+    #[inline(always)]
+    unsafe fn load_extra(&self, row: &(u64, u64), elem: usize) -> Wide {
+        if self.dresidual.base != 0 {
+            unsafe { self.dresidual.load::<T, VEC>(row.1, elem) }
+        } else {
+            Wide::default()
+        }
+    }
+    #[inline(always)]
+    fn dx(&self, dresidual: &Wide, i: usize, dx: f32) -> f32 {
+        dx + self.dresidual.get::<T>(dresidual, i)
+    }
 }
 
 /// Writes the row's statistics (thread 0 only).
@@ -97,9 +336,15 @@ fn save_stats<const CENTERED: bool>(p: &ForwardParams, row: usize, mean: f32, rs
 /// # Safety
 /// Every thread of the block calls it (block reductions).
 #[inline(always)]
-unsafe fn row_stats_regs<T: Element, const VEC: bool, const VPT: usize, const CENTERED: bool>(
+unsafe fn row_stats_regs<
+    T: Element,
+    const VEC: bool,
+    const VPT: usize,
+    const CENTERED: bool,
+    S: RowSource<T, VEC>,
+>(
     reducer: &mut BlockReducer,
-    x: &[Pack; VPT],
+    x: &[S::Held; VPT],
     d: usize,
     inv_d: f32,
     eps: f32,
@@ -110,7 +355,7 @@ unsafe fn row_stats_regs<T: Element, const VEC: bool, const VPT: usize, const CE
         let mut sum = 0.0f32;
         for xk in x {
             for i in 0..len {
-                sum += T::get(xk, i);
+                sum += S::get(xk, i);
             }
         }
         let total = unsafe { reducer.sum(sum) };
@@ -122,7 +367,7 @@ unsafe fn row_stats_regs<T: Element, const VEC: bool, const VPT: usize, const CE
     for k in 0..VPT {
         if (tid + k * threads) * len < d {
             for i in 0..len {
-                let c = T::get(&x[k], i) - mean;
+                let c = S::get(&x[k], i) - mean;
                 sum_sq += c * c;
             }
         }
@@ -138,20 +383,27 @@ unsafe fn row_stats_regs<T: Element, const VEC: bool, const VPT: usize, const CE
 /// # Safety
 /// As for [`stream_sum`].
 #[inline(always)]
-unsafe fn row_stats_stream<T: Element, const VEC: bool, const CENTERED: bool>(
+unsafe fn row_stats_stream<
+    T: Element,
+    const VEC: bool,
+    const CENTERED: bool,
+    S: RowSource<T, VEC>,
+>(
     reducer: &mut BlockReducer,
-    row: u64,
+    src: &S,
+    row: usize,
     d: usize,
     inv_d: f32,
     eps: f32,
 ) -> (f32, f32) {
     let mean = if CENTERED {
-        let sum = unsafe { stream_sum::<T, VEC>(reducer, row, d, |v| v) };
+        let sum = unsafe { stream_sum::<T, VEC, S>(reducer, src, row, d, |v| v) };
         sum * inv_d
     } else {
         0.0
     };
-    let sum_sq = unsafe { stream_sum::<T, VEC>(reducer, row, d, |v| (v - mean) * (v - mean)) };
+    let sum_sq =
+        unsafe { stream_sum::<T, VEC, S>(reducer, src, row, d, |v| (v - mean) * (v - mean)) };
     (mean, arch::rsqrt(sum_sq * inv_d + eps))
 }
 
@@ -201,21 +453,39 @@ fn normalize<const CENTERED: bool>(x: f32, mean: f32, rstd: f32, gamma: f32, bet
 /// The params describe valid, non-overlapping buffers laid out as the [`crate::variant::Variant`]
 /// requires; the block is a multiple of 32 threads with enough of them to cover the row in `VPT`.
 #[inline(always)]
-pub unsafe fn forward<T: Element, const VEC: bool, const VPT: usize, const CENTERED: bool>(
+pub unsafe fn forward<
+    T: Element,
+    const VEC: bool,
+    const VPT: usize,
+    const CENTERED: bool,
+    const RESIDUAL: bool,
+>(
     p: &ForwardParams,
 ) {
+    let plain = Plain {
+        x: p.x,
+        stride: p.x_stride,
+    };
     unsafe {
-        if VPT == 0 {
-            forward_stream::<T, VEC, CENTERED>(p)
-        } else {
-            forward_regs::<T, VEC, VPT, CENTERED>(p)
+        match (VPT == 0, RESIDUAL) {
+            (true, false) => forward_stream::<T, VEC, CENTERED, _>(p, plain),
+            (true, true) => forward_stream::<T, VEC, CENTERED, _>(p, AddResidual::new(p)),
+            (false, false) => forward_regs::<T, VEC, VPT, CENTERED, _>(p, plain),
+            (false, true) => forward_regs::<T, VEC, VPT, CENTERED, _>(p, AddResidual::new(p)),
         }
     }
 }
 
 #[inline(always)]
-unsafe fn forward_regs<T: Element, const VEC: bool, const VPT: usize, const CENTERED: bool>(
+unsafe fn forward_regs<
+    T: Element,
+    const VEC: bool,
+    const VPT: usize,
+    const CENTERED: bool,
+    S: RowSource<T, VEC>,
+>(
     p: &ForwardParams,
+    src: S,
 ) {
     let mut reducer = BlockReducer::new();
     let len = Access::<T, VEC>::LEN;
@@ -234,11 +504,11 @@ unsafe fn forward_regs<T: Element, const VEC: bool, const VPT: usize, const CENT
     }
     // As in the backward, the next row's loads can be issued before this row's reduction and stores.
     let load_row = |row: usize| {
-        let x_row = row_addr::<T>(p.x, row, p.x_stride);
-        let mut x: [Pack; VPT] = [[0; 4]; VPT];
+        let src_row = src.row(row);
+        let mut x = [S::Raw::default(); VPT];
         for (k, xk) in x.iter_mut().enumerate() {
             if elem(k) < d {
-                *xk = unsafe { Access::<T, VEC>::load(x_row, elem(k)) };
+                *xk = unsafe { src.load(&src_row, elem(k)) };
             }
         }
         x
@@ -248,27 +518,34 @@ unsafe fn forward_regs<T: Element, const VEC: bool, const VPT: usize, const CENT
     // Only the widest tile prefetches: for narrower ones the extra registers cost a resident block
     // per SM, which hid more latency than the prefetch (H200, 16384×4096 bf16: 82.6 % of copy
     // without, 78–79 % with; 4096×16384 with the 4-pack tile: 64.5 % without, 84.5 % with).
-    let prefetch = VPT >= 4;
+    let prefetch = VPT >= 4 && !S::WIDE;
     let mut next = if prefetch && row < rows {
         load_row(row)
     } else {
-        [[0; 4]; VPT]
+        [S::Raw::default(); VPT]
     };
     while row < rows {
-        let x = if prefetch { next } else { load_row(row) };
+        let raw = if prefetch { next } else { load_row(row) };
         if prefetch && row + arch::grid_dim() < rows {
             next = load_row(row + arch::grid_dim());
         }
-        let (mean, rstd) =
-            unsafe { row_stats_regs::<T, VEC, VPT, CENTERED>(&mut reducer, &x, d, p.inv_d, p.eps) };
+        let mut x = [S::Held::default(); VPT];
+        for k in 0..VPT {
+            x[k] = src.hold(&raw[k]);
+        }
+        let (mean, rstd) = unsafe {
+            row_stats_regs::<T, VEC, VPT, CENTERED, S>(&mut reducer, &x, d, p.inv_d, p.eps)
+        };
         save_stats::<CENTERED>(p, row, mean, rstd);
         let y_row = row_addr::<T>(p.y, row, p.y_stride);
+        let src_row = src.row(row);
         for k in 0..VPT {
             if elem(k) < d {
+                unsafe { src.emit(&src_row, elem(k), &x[k]) };
                 let mut y: Pack = [0; 4];
                 for i in 0..len {
                     let v = normalize::<CENTERED>(
-                        T::get(&x[k], i),
+                        S::get(&x[k], i),
                         mean,
                         rstd,
                         gamma[k][i],
@@ -284,21 +561,33 @@ unsafe fn forward_regs<T: Element, const VEC: bool, const VPT: usize, const CENT
 }
 
 #[inline(always)]
-unsafe fn forward_stream<T: Element, const VEC: bool, const CENTERED: bool>(p: &ForwardParams) {
+unsafe fn forward_stream<
+    T: Element,
+    const VEC: bool,
+    const CENTERED: bool,
+    S: RowSource<T, VEC>,
+>(
+    p: &ForwardParams,
+    src: S,
+) {
     let mut reducer = BlockReducer::new();
     let len = Access::<T, VEC>::LEN;
     let (tid, threads, d) = (arch::thread_idx(), arch::block_dim(), p.d as usize);
     let accesses = d.div_ceil(len);
     let mut row = arch::block_idx();
     while row < p.rows as usize {
-        let x_row = row_addr::<T>(p.x, row, p.x_stride);
-        let (mean, rstd) =
-            unsafe { row_stats_stream::<T, VEC, CENTERED>(&mut reducer, x_row, d, p.inv_d, p.eps) };
+        // Every pass re-reads the inputs (from L2) rather than the residual sum it wrote: the
+        // sum is only written once, in the last pass.
+        let (mean, rstd) = unsafe {
+            row_stats_stream::<T, VEC, CENTERED, S>(&mut reducer, &src, row, d, p.inv_d, p.eps)
+        };
         save_stats::<CENTERED>(p, row, mean, rstd);
         let y_row = row_addr::<T>(p.y, row, p.y_stride);
+        let src_row = src.row(row);
         let mut a = tid;
         while a < accesses {
-            let x = unsafe { Access::<T, VEC>::load(x_row, a * len) };
+            let x = src.hold(&unsafe { src.load(&src_row, a * len) });
+            unsafe { src.emit(&src_row, a * len, &x) };
             let g = unsafe { param::<T, VEC>(p.gamma, a * len, p.params_f32, p.gamma_offset) };
             let b = if CENTERED && p.beta != 0 {
                 unsafe { param::<T, VEC>(p.beta, a * len, p.params_f32, 0.0) }
@@ -310,7 +599,7 @@ unsafe fn forward_stream<T: Element, const VEC: bool, const CENTERED: bool>(p: &
                 T::set(
                     &mut y,
                     i,
-                    normalize::<CENTERED>(T::get(&x, i), mean, rstd, g[i], b[i]),
+                    normalize::<CENTERED>(S::get(&x, i), mean, rstd, g[i], b[i]),
                 );
             }
             unsafe { Access::<T, VEC>::store(y_row, a * len, &y) };
@@ -326,19 +615,21 @@ unsafe fn forward_stream<T: Element, const VEC: bool, const CENTERED: bool>(p: &
 /// # Safety
 /// The row is readable as the access requires; every thread of the block calls it.
 #[inline(always)]
-unsafe fn stream_sum<T: Element, const VEC: bool>(
+unsafe fn stream_sum<T: Element, const VEC: bool, S: RowSource<T, VEC>>(
     reducer: &mut BlockReducer,
-    row: u64,
+    src: &S,
+    row: usize,
     d: usize,
     f: impl Fn(f32) -> f32,
 ) -> f32 {
     let len = Access::<T, VEC>::LEN;
     let mut sum = 0.0f32;
+    let row = src.row(row);
     let mut a = arch::thread_idx();
     while a < d.div_ceil(len) {
-        let x = unsafe { Access::<T, VEC>::load(row, a * len) };
+        let x = src.hold(&unsafe { src.load(&row, a * len) });
         for i in 0..len {
-            sum += f(T::get(&x, i));
+            sum += f(S::get(&x, i));
         }
         a += arch::block_dim();
     }
@@ -351,14 +642,25 @@ unsafe fn stream_sum<T: Element, const VEC: bool>(
 /// # Safety
 /// As for [`forward`]; each partials buffer holds `groups · d` f32, 16-byte aligned.
 #[inline(always)]
-pub unsafe fn backward<T: Element, const VEC: bool, const VPT: usize, const CENTERED: bool>(
+pub unsafe fn backward<
+    T: Element,
+    const VEC: bool,
+    const VPT: usize,
+    const CENTERED: bool,
+    const RESIDUAL: bool,
+>(
     p: &BackwardParams,
 ) {
+    let plain = Plain {
+        x: p.x,
+        stride: p.x_stride,
+    };
     unsafe {
-        if VPT == 0 {
-            backward_stream::<T, VEC, CENTERED>(p)
-        } else {
-            backward_regs::<T, VEC, VPT, CENTERED>(p)
+        match (VPT == 0, RESIDUAL) {
+            (true, false) => backward_stream::<T, VEC, CENTERED, _>(p, plain),
+            (true, true) => backward_stream::<T, VEC, CENTERED, _>(p, ResidualBackward::new(p)),
+            (false, false) => backward_regs::<T, VEC, VPT, CENTERED, _>(p, plain),
+            (false, true) => backward_regs::<T, VEC, VPT, CENTERED, _>(p, ResidualBackward::new(p)),
         }
     }
 }
@@ -395,8 +697,15 @@ fn load_stats<const CENTERED: bool>(p: &BackwardParams, row: usize) -> (f32, f32
 }
 
 #[inline(always)]
-unsafe fn backward_regs<T: Element, const VEC: bool, const VPT: usize, const CENTERED: bool>(
+unsafe fn backward_regs<
+    T: Element,
+    const VEC: bool,
+    const VPT: usize,
+    const CENTERED: bool,
+    S: RowSource<T, VEC>,
+>(
     p: &BackwardParams,
+    src: S,
 ) {
     let mut reducer = BlockReducer::new();
     let len = Access::<T, VEC>::LEN;
@@ -416,38 +725,56 @@ unsafe fn backward_regs<T: Element, const VEC: bool, const VPT: usize, const CEN
         let end = (first + p.rows_per_group as usize).min(rows);
         let mut dgamma = [[0.0f32; 8]; VPT];
         let mut dbeta = [[0.0f32; 8]; VPT];
+        // The widest LayerNorm tile, and the widest tile of any wide source, have no registers
+        // left for a second row (it would spill).
+        let prefetch = !((CENTERED || S::WIDE) && VPT >= 4);
         // Loads of row r+1 are issued before row r's reduction and stores, so a block always has
         // a row in flight: with only a couple of blocks per SM that is what hides memory latency.
+        // Without that, what only the stores need (dresidual) is loaded one access at a time next
+        // to its store, to keep it out of the registers of the reductions.
         let load_row = |row: usize| {
-            let x_row = row_addr::<T>(p.x, row, p.x_stride);
+            let src_row = src.row(row);
             let dy_row = row_addr::<T>(p.dy, row, p.dy_stride);
-            let mut x: [Pack; VPT] = [[0; 4]; VPT];
+            let mut x = [S::Raw::default(); VPT];
             let mut dy: [Pack; VPT] = [[0; 4]; VPT];
             for k in 0..VPT {
                 if elem(k) < d {
-                    x[k] = unsafe { Access::<T, VEC>::load(x_row, elem(k)) };
+                    x[k] = unsafe { src.load(&src_row, elem(k)) };
                     dy[k] = unsafe { Access::<T, VEC>::load(dy_row, elem(k)) };
                 }
             }
-            (x, dy, load_stats::<CENTERED>(p, row))
+            let mut extra = [S::Extra::default(); VPT];
+            for k in 0..VPT {
+                if prefetch && elem(k) < d {
+                    extra[k] = unsafe { src.load_extra(&src_row, elem(k)) };
+                }
+            }
+            (x, dy, extra, load_stats::<CENTERED>(p, row))
         };
-        // The widest LayerNorm tile has no registers left for a second row (it would spill).
-        let prefetch = !(CENTERED && VPT >= 4);
-        let empty = ([[0; 4]; VPT], [[0; 4]; VPT], (0.0, 0.0));
+        let empty = (
+            [S::Raw::default(); VPT],
+            [[0; 4]; VPT],
+            [S::Extra::default(); VPT],
+            (0.0, 0.0),
+        );
         let mut next = if prefetch && first < end {
             load_row(first)
         } else {
             empty
         };
         for row in first..end {
-            let (x, dy, saved) = if prefetch { next } else { load_row(row) };
+            let (raw, dy, extra, saved) = if prefetch { next } else { load_row(row) };
             if prefetch && row + 1 < end {
                 next = load_row(row + 1);
+            }
+            let mut x = [S::Held::default(); VPT];
+            for k in 0..VPT {
+                x[k] = src.hold(&raw[k]);
             }
             // Nothing saved: recompute the statistics from the row already in registers.
             let (mean, rstd) = if p.rstd == 0 {
                 unsafe {
-                    row_stats_regs::<T, VEC, VPT, CENTERED>(&mut reducer, &x, d, p.inv_d, p.eps)
+                    row_stats_regs::<T, VEC, VPT, CENTERED, S>(&mut reducer, &x, d, p.inv_d, p.eps)
                 }
             } else {
                 saved
@@ -458,20 +785,27 @@ unsafe fn backward_regs<T: Element, const VEC: bool, const VPT: usize, const CEN
                     let dy_hat = T::get(&dy[k], i) * gamma[k][i];
                     sum_dy_hat += dy_hat;
                     // Accesses past d hold dy = 0, so they add nothing to either sum.
-                    dot += dy_hat * ((T::get(&x[k], i) - mean) * rstd);
+                    dot += dy_hat * ((S::get(&x[k], i) - mean) * rstd);
                 }
             }
             let (mean_dy_hat, mean_dot) =
                 unsafe { row_means::<CENTERED>(&mut reducer, sum_dy_hat, dot, p.inv_d) };
             let dx_row = row_addr::<T>(p.dx, row, p.dx_stride);
+            let src_row = src.row(row);
             for k in 0..VPT {
                 if elem(k) < d {
+                    let extra = if prefetch {
+                        extra[k]
+                    } else {
+                        unsafe { src.load_extra(&src_row, elem(k)) }
+                    };
                     let mut dx: Pack = [0; 4];
                     for i in 0..len {
-                        let x_hat = (T::get(&x[k], i) - mean) * rstd;
+                        let x_hat = (S::get(&x[k], i) - mean) * rstd;
                         let dy_i = T::get(&dy[k], i);
                         let dy_hat = dy_i * gamma[k][i];
-                        T::set(&mut dx, i, rstd * (dy_hat - mean_dy_hat - x_hat * mean_dot));
+                        let v = rstd * (dy_hat - mean_dy_hat - x_hat * mean_dot);
+                        T::set(&mut dx, i, src.dx(&extra, i, v));
                         dgamma[k][i] += dy_i * x_hat;
                         if with_dbeta {
                             dbeta[k][i] += dy_i;
@@ -497,7 +831,15 @@ unsafe fn backward_regs<T: Element, const VEC: bool, const VPT: usize, const CEN
 }
 
 #[inline(always)]
-unsafe fn backward_stream<T: Element, const VEC: bool, const CENTERED: bool>(p: &BackwardParams) {
+unsafe fn backward_stream<
+    T: Element,
+    const VEC: bool,
+    const CENTERED: bool,
+    S: RowSource<T, VEC>,
+>(
+    p: &BackwardParams,
+    src: S,
+) {
     let mut reducer = BlockReducer::new();
     let len = Access::<T, VEC>::LEN;
     let (tid, threads, d) = (arch::thread_idx(), arch::block_dim(), p.d as usize);
@@ -512,11 +854,18 @@ unsafe fn backward_stream<T: Element, const VEC: bool, const CENTERED: bool>(p: 
         // which only this block touches (each thread re-reads exactly what it wrote).
         let offset = (group * d * 4) as u64;
         for row in first..end {
-            let x_row = row_addr::<T>(p.x, row, p.x_stride);
+            let src_row = src.row(row);
             let dy_row = row_addr::<T>(p.dy, row, p.dy_stride);
             let (mean, rstd) = if p.rstd == 0 {
                 unsafe {
-                    row_stats_stream::<T, VEC, CENTERED>(&mut reducer, x_row, d, p.inv_d, p.eps)
+                    row_stats_stream::<T, VEC, CENTERED, S>(
+                        &mut reducer,
+                        &src,
+                        row,
+                        d,
+                        p.inv_d,
+                        p.eps,
+                    )
                 }
             } else {
                 load_stats::<CENTERED>(p, row)
@@ -524,13 +873,13 @@ unsafe fn backward_stream<T: Element, const VEC: bool, const CENTERED: bool>(p: 
             let (mut sum_dy_hat, mut dot) = (0.0f32, 0.0f32);
             let mut a = tid;
             while a < accesses {
-                let x = unsafe { Access::<T, VEC>::load(x_row, a * len) };
+                let x = src.hold(&unsafe { src.load(&src_row, a * len) });
                 let dy = unsafe { Access::<T, VEC>::load(dy_row, a * len) };
                 let g = unsafe { param::<T, VEC>(p.gamma, a * len, p.params_f32, p.gamma_offset) };
                 for i in 0..len {
                     let dy_hat = T::get(&dy, i) * g[i];
                     sum_dy_hat += dy_hat;
-                    dot += dy_hat * ((T::get(&x, i) - mean) * rstd);
+                    dot += dy_hat * ((S::get(&x, i) - mean) * rstd);
                 }
                 a += threads;
             }
@@ -539,7 +888,8 @@ unsafe fn backward_stream<T: Element, const VEC: bool, const CENTERED: bool>(p: 
             let dx_row = row_addr::<T>(p.dx, row, p.dx_stride);
             let mut a = tid;
             while a < accesses {
-                let x = unsafe { Access::<T, VEC>::load(x_row, a * len) };
+                let x = src.hold(&unsafe { src.load(&src_row, a * len) });
+                let extra = unsafe { src.load_extra(&src_row, a * len) };
                 let dy = unsafe { Access::<T, VEC>::load(dy_row, a * len) };
                 let g = unsafe { param::<T, VEC>(p.gamma, a * len, p.params_f32, p.gamma_offset) };
                 let (mut dgamma, mut dbeta) = if row == first {
@@ -557,13 +907,10 @@ unsafe fn backward_stream<T: Element, const VEC: bool, const CENTERED: bool>(p: 
                 };
                 let mut dx: Pack = [0; 4];
                 for i in 0..len {
-                    let x_hat = (T::get(&x, i) - mean) * rstd;
+                    let x_hat = (S::get(&x, i) - mean) * rstd;
                     let dy_i = T::get(&dy, i);
-                    T::set(
-                        &mut dx,
-                        i,
-                        rstd * (dy_i * g[i] - mean_dy_hat - x_hat * mean_dot),
-                    );
+                    let v = rstd * (dy_i * g[i] - mean_dy_hat - x_hat * mean_dot);
+                    T::set(&mut dx, i, src.dx(&extra, i, v));
                     dgamma[i] += dy_i * x_hat;
                     dbeta[i] += dy_i;
                 }
@@ -581,24 +928,52 @@ unsafe fn backward_stream<T: Element, const VEC: bool, const CENTERED: bool>(p: 
 
 /// RMSNorm and LayerNorm instances of the shared bodies, as the export and select macros want them.
 macro_rules! norm_instances {
-    ($($name:ident => $body:ident::<$centered:literal>($params:ty);)*) => {$(
+    ($($name:ident => $body:ident::<$centered:literal, $residual:literal>($params:ty);)*) => {$(
         #[inline(always)]
         unsafe fn $name<T: Element, const VEC: bool, const VPT: usize>(p: &$params) {
-            unsafe { $body::<T, VEC, VPT, $centered>(p) }
+            unsafe { $body::<T, VEC, VPT, $centered, $residual>(p) }
         }
     )*};
 }
 norm_instances! {
-    rms_forward => forward::<false>(ForwardParams);
-    rms_backward => backward::<false>(BackwardParams);
-    layer_forward => forward::<true>(ForwardParams);
-    layer_backward => backward::<true>(BackwardParams);
+    rms_forward => forward::<false, false>(ForwardParams);
+    rms_backward => backward::<false, false>(BackwardParams);
+    layer_forward => forward::<true, false>(ForwardParams);
+    layer_backward => backward::<true, false>(BackwardParams);
+    rms_forward_res => forward::<false, true>(ForwardParams);
+    rms_backward_res => backward::<false, true>(BackwardParams);
+    layer_forward_res => forward::<true, true>(ForwardParams);
+    layer_backward_res => backward::<true, true>(BackwardParams);
 }
 
 export_family!("rms_norm_fwd", ForwardParams, rms_forward);
 export_family!("rms_norm_bwd", BackwardParams, rms_backward);
 export_family!("layer_norm_fwd", ForwardParams, layer_forward);
 export_family!("layer_norm_bwd", BackwardParams, layer_backward);
+export_family!(
+    "rms_norm_fwd_res",
+    ForwardParams,
+    rms_forward_res,
+    scalar_streams
+);
+export_family!(
+    "rms_norm_bwd_res",
+    BackwardParams,
+    rms_backward_res,
+    scalar_streams
+);
+export_family!(
+    "layer_norm_fwd_res",
+    ForwardParams,
+    layer_forward_res,
+    scalar_streams
+);
+export_family!(
+    "layer_norm_bwd_res",
+    BackwardParams,
+    layer_backward_res,
+    scalar_streams
+);
 
 /// Which norm: the `CENTERED` parameter of the shared bodies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -608,29 +983,69 @@ pub enum Norm {
 }
 
 impl Norm {
-    /// PTX entry prefixes of the forward and backward families.
-    pub const fn families(self) -> (&'static str, &'static str) {
-        match self {
-            Norm::Rms => ("rms_norm_fwd", "rms_norm_bwd"),
-            Norm::Layer => ("layer_norm_fwd", "layer_norm_bwd"),
+    pub const ALL: [Norm; 2] = [Norm::Rms, Norm::Layer];
+
+    /// Whether the families (plain or with residual fusion) are exported with `scalar_streams`:
+    /// the residual ones are. Single-element access only serves views that are not 16-byte
+    /// aligned; register tiles for it would add a third to the residual families' PTX (and to
+    /// the driver's load time) for a path that is slow anyway.
+    pub const fn scalar_streams(residual: bool) -> bool {
+        residual
+    }
+
+    /// PTX entry prefixes of the forward and backward families, plain or with residual fusion.
+    pub const fn families(self, residual: bool) -> (&'static str, &'static str) {
+        match (self, residual) {
+            (Norm::Rms, false) => ("rms_norm_fwd", "rms_norm_bwd"),
+            (Norm::Layer, false) => ("layer_norm_fwd", "layer_norm_bwd"),
+            (Norm::Rms, true) => ("rms_norm_fwd_res", "rms_norm_bwd_res"),
+            (Norm::Layer, true) => ("layer_norm_fwd_res", "layer_norm_bwd_res"),
         }
+    }
+}
+
+impl ForwardParams {
+    /// Whether these parameters need a residual family (they name a residual).
+    pub const fn residual_family(&self) -> bool {
+        self.residual != 0
+    }
+}
+
+impl BackwardParams {
+    /// Whether these parameters need a residual family (dresidual, or x stored as f32).
+    pub const fn residual_family(&self) -> bool {
+        self.dresidual != 0 || self.x_f32 != 0
     }
 }
 
 /// The forward body a variant names, for the emulator.
 #[cfg(not(target_arch = "nvptx64"))]
-pub fn forward_body(norm: Norm, v: crate::variant::Variant) -> unsafe fn(&ForwardParams) {
-    match norm {
-        Norm::Rms => crate::variant::select_family!(v, ForwardParams, rms_forward),
-        Norm::Layer => crate::variant::select_family!(v, ForwardParams, layer_forward),
+pub fn forward_body(
+    norm: Norm,
+    residual: bool,
+    v: crate::variant::Variant,
+) -> unsafe fn(&ForwardParams) {
+    use crate::variant::select_family;
+    match (norm, residual) {
+        (Norm::Rms, false) => select_family!(v, ForwardParams, rms_forward),
+        (Norm::Layer, false) => select_family!(v, ForwardParams, layer_forward),
+        (Norm::Rms, true) => select_family!(v, ForwardParams, rms_forward_res),
+        (Norm::Layer, true) => select_family!(v, ForwardParams, layer_forward_res),
     }
 }
 
 /// The backward body a variant names, for the emulator.
 #[cfg(not(target_arch = "nvptx64"))]
-pub fn backward_body(norm: Norm, v: crate::variant::Variant) -> unsafe fn(&BackwardParams) {
-    match norm {
-        Norm::Rms => crate::variant::select_family!(v, BackwardParams, rms_backward),
-        Norm::Layer => crate::variant::select_family!(v, BackwardParams, layer_backward),
+pub fn backward_body(
+    norm: Norm,
+    residual: bool,
+    v: crate::variant::Variant,
+) -> unsafe fn(&BackwardParams) {
+    use crate::variant::select_family;
+    match (norm, residual) {
+        (Norm::Rms, false) => select_family!(v, BackwardParams, rms_backward),
+        (Norm::Layer, false) => select_family!(v, BackwardParams, layer_backward),
+        (Norm::Rms, true) => select_family!(v, BackwardParams, rms_backward_res),
+        (Norm::Layer, true) => select_family!(v, BackwardParams, layer_backward_res),
     }
 }

@@ -34,6 +34,16 @@ pub const TILES: [usize; 4] = [1, 2, 4, STREAM];
 /// The tile value of the streaming instances.
 pub const STREAM: usize = 0;
 
+/// The tiles a family is compiled with for one access kind: all of [`TILES`], except that a
+/// family exported with `scalar_streams` has only [`STREAM`] for single-element access.
+pub const fn tiles(vec: bool, scalar_streams: bool) -> &'static [usize] {
+    if vec || !scalar_streams {
+        &TILES
+    } else {
+        &[STREAM]
+    }
+}
+
 /// One compiled instance of a kernel family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Variant {
@@ -90,16 +100,21 @@ impl Variant {
 }
 
 /// Exports every instance of a kernel family as a PTX entry (nvptx only). `$body` is generic over
-/// `<T: Element, const VEC: bool, const VPT: usize>` and takes `&$params`.
+/// `<T: Element, const VEC: bool, const VPT: usize>` and takes `&$params`. With `scalar_streams`,
+/// single-element access gets only the streaming instance (see [`tiles`]).
 macro_rules! export_family {
-    ($family:literal, $params:ty, $body:ident) => {
-        $crate::variant::export_family!(@dt $family, $params, $body, "f32", F32);
-        $crate::variant::export_family!(@dt $family, $params, $body, "f16", F16);
-        $crate::variant::export_family!(@dt $family, $params, $body, "bf16", Bf16);
+    ($family:literal, $params:ty, $body:ident $(, $mode:ident)?) => {
+        $crate::variant::export_family!(@dt $family, $params, $body, "f32", F32 $(, $mode)?);
+        $crate::variant::export_family!(@dt $family, $params, $body, "f16", F16 $(, $mode)?);
+        $crate::variant::export_family!(@dt $family, $params, $body, "bf16", Bf16 $(, $mode)?);
     };
     (@dt $family:literal, $params:ty, $body:ident, $dn:literal, $t:ident) => {
         $crate::variant::export_family!(@tile $family, $params, $body, $dn, $t, "v", true);
         $crate::variant::export_family!(@tile $family, $params, $body, $dn, $t, "s", false);
+    };
+    (@dt $family:literal, $params:ty, $body:ident, $dn:literal, $t:ident, scalar_streams) => {
+        $crate::variant::export_family!(@tile $family, $params, $body, $dn, $t, "v", true);
+        $crate::variant::export_family!(@one concat!($family, "_", $dn, "_sx"), $params, $body, $t, false, 0);
     };
     (@tile $family:literal, $params:ty, $body:ident, $dn:literal, $t:ident, $pn:literal, $vec:literal) => {
         $crate::variant::export_family!(@one concat!($family, "_", $dn, "_", $pn, "1"), $params, $body, $t, $vec, 1);

@@ -16,6 +16,9 @@ pub trait TestDtype: Dtype + PartialEq + std::fmt::Debug {
     const NAME: &'static str;
     /// Round-trips through the dtype: what the kernel actually reads.
     fn from_f64(v: f64) -> Self;
+    /// `v` rounded to nearest even, as the kernels' stores round (half's `from_f64` for bf16
+    /// drops the low mantissa bits before rounding, so it can differ just above a tie).
+    fn from_f32(v: f32) -> Self;
     fn to_f64(self) -> f64;
     /// The stored bits, for bitwise comparisons (NaN poison included).
     fn bits(self) -> u32;
@@ -30,6 +33,9 @@ impl TestDtype for f32 {
     const NAME: &'static str = "f32";
     fn from_f64(v: f64) -> Self {
         v as f32
+    }
+    fn from_f32(v: f32) -> Self {
+        v
     }
     fn to_f64(self) -> f64 {
         self as f64
@@ -48,6 +54,9 @@ impl TestDtype for f16 {
     fn from_f64(v: f64) -> Self {
         f16::from_f64(v)
     }
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
     fn to_f64(self) -> f64 {
         f16::to_f64(self)
     }
@@ -64,6 +73,9 @@ impl TestDtype for bf16 {
     const NAME: &'static str = "bf16";
     fn from_f64(v: f64) -> Self {
         bf16::from_f64(v)
+    }
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
     }
     fn to_f64(self) -> f64 {
         bf16::to_f64(self)

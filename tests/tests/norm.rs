@@ -1395,3 +1395,650 @@ fn gpu_mixed_precision_parameters() {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Residual fusion: h = x + residual written to residual_out and normalized as stored; the
+// backward takes residual_out as x and adds dresidual into dx.
+
+/// One fused-residual forward + backward: activations (x, y, dy, dx, γ, β) in `T`, `residual` in
+/// `R`, `residual_out` — and so the backward's x and `dresidual` — in `H`. Rows start after
+/// `offset` elements; x/y/dy/dx, residual, residual_out and dresidual each have their own stride.
+struct ResidualCase<T, R, H> {
+    kind: Kind,
+    rows: usize,
+    d: usize,
+    offset: usize,
+    /// x/y/dy/dx, residual, residual_out, dresidual.
+    strides: [usize; 4],
+    x: Vec<T>,
+    dy: Vec<T>,
+    residual: Vec<R>,
+    dresidual: Vec<H>,
+    gamma: Vec<T>,
+    beta: Vec<T>,
+    /// The backward recomputes the statistics from residual_out instead of reading the forward's.
+    recompute: bool,
+}
+
+/// What a residual run produced, in padded buffers that start as poison.
+struct ResidualOutputs<T, H> {
+    y: Vec<T>,
+    h: Vec<H>,
+    mean: Vec<f32>,
+    rstd: Vec<f32>,
+    dx: Vec<T>,
+    dgamma: Vec<T>,
+    dbeta: Vec<T>,
+}
+
+impl<T: TestDtype, R: TestDtype, H: TestDtype> ResidualCase<T, R, H> {
+    fn new(kind: Kind, rng: &mut Rng, rows: usize, d: usize, strides: [usize; 4]) -> Self {
+        let offset = usize::from(d % 2 == 1);
+        let n = |s: usize| offset + rows.saturating_sub(1) * s + d;
+        ResidualCase {
+            kind,
+            rows,
+            d,
+            offset,
+            strides,
+            x: rng.vec(n(strides[0]), -1.0, 1.0),
+            dy: rng.vec(n(strides[0]), -1.0, 1.0),
+            // Off-centre, so LayerNorm's mean matters, and larger than x, as a residual stream is.
+            residual: rng.vec(n(strides[1]), -1.0, 4.0),
+            dresidual: rng.vec(n(strides[3]), -1.0, 1.0),
+            gamma: rng.vec(d, 0.5, 1.5),
+            beta: rng.vec(d, -0.5, 0.5),
+            recompute: false,
+        }
+    }
+
+    fn len(&self, which: usize) -> usize {
+        self.offset + self.rows.saturating_sub(1) * self.strides[which] + self.d
+    }
+
+    fn poisoned(&self) -> ResidualOutputs<T, H> {
+        ResidualOutputs {
+            y: vec![T::poison(); self.len(0)],
+            h: vec![H::poison(); self.len(2)],
+            mean: vec![f32::NAN; self.rows],
+            rstd: vec![f32::NAN; self.rows],
+            dx: vec![T::poison(); self.len(0)],
+            dgamma: vec![T::poison(); self.d],
+            dbeta: vec![T::poison(); self.d],
+        }
+    }
+
+    fn workspace_len(&self) -> usize {
+        layer_norm::workspace_len(self.rows, self.d)
+    }
+
+    fn run_emulator(&self, emu: &Emulator) -> ResidualOutputs<T, H> {
+        let mut out = self.poisoned();
+        let (o, [s, sr, sh, sdr], rows, d) = (self.offset, self.strides, self.rows, self.d);
+        let cfg = NormConfig::new(EPS);
+        let x = Rows::with_stride(&self.x[o..], rows, d, s).unwrap();
+        let dy = Rows::with_stride(&self.dy[o..], rows, d, s).unwrap();
+        let residual = Rows::with_stride(&self.residual[o..], rows, d, sr).unwrap();
+        let dresidual = Rows::with_stride(&self.dresidual[o..], rows, d, sdr).unwrap();
+        let ws_len = self.workspace_len();
+        let mut ws = aligned_f32(ws_len);
+        let ws = floats_mut(&mut ws, ws_len);
+        let mut y = Rows::with_stride(&mut out.y[o..], rows, d, s).unwrap();
+        let mut h = Rows::with_stride(&mut out.h[o..], rows, d, sh).unwrap();
+        let mut dx = Rows::with_stride(&mut out.dx[o..], rows, d, s).unwrap();
+        match self.kind {
+            Kind::Rms => {
+                emu.rms_norm_forward_residual(
+                    &cfg,
+                    &x,
+                    &residual,
+                    &self.gamma,
+                    &mut y,
+                    &mut h,
+                    Some(&mut out.rstd),
+                )
+                .unwrap();
+                let h = Rows::with_stride(&h.into_inner()[..], rows, d, sh).unwrap();
+                emu.rms_norm_backward_residual(
+                    &cfg,
+                    &dy,
+                    &h,
+                    &self.gamma,
+                    (!self.recompute).then_some(&out.rstd[..]),
+                    Some(&dresidual),
+                    &mut dx,
+                    &mut out.dgamma,
+                    ws,
+                )
+                .unwrap();
+            }
+            Kind::Layer { bias } => {
+                emu.layer_norm_forward_residual(
+                    &cfg,
+                    &x,
+                    &residual,
+                    &self.gamma,
+                    bias.then_some(&self.beta[..]),
+                    &mut y,
+                    &mut h,
+                    Some(&mut out.mean),
+                    Some(&mut out.rstd),
+                )
+                .unwrap();
+                let h = Rows::with_stride(&h.into_inner()[..], rows, d, sh).unwrap();
+                emu.layer_norm_backward_residual(
+                    &cfg,
+                    &dy,
+                    &h,
+                    &self.gamma,
+                    (!self.recompute).then_some((&out.mean[..], &out.rstd[..])),
+                    Some(&dresidual),
+                    &mut dx,
+                    &mut out.dgamma,
+                    bias.then_some(&mut out.dbeta[..]),
+                    ws,
+                )
+                .unwrap();
+            }
+        }
+        out
+    }
+
+    fn run_gpu(&self, ctx: &Context, stream: &Arc<CudaStream>) -> ResidualOutputs<T, H> {
+        let poison = self.poisoned();
+        let (o, [s, sr, sh, sdr], rows, d) = (self.offset, self.strides, self.rows, self.d);
+        let cfg = NormConfig::new(EPS);
+        let (x, dy, gamma, beta) = (
+            stream.clone_htod(&self.x).unwrap(),
+            stream.clone_htod(&self.dy).unwrap(),
+            stream.clone_htod(&self.gamma).unwrap(),
+            stream.clone_htod(&self.beta).unwrap(),
+        );
+        let residual = stream.clone_htod(&self.residual).unwrap();
+        let dresidual = stream.clone_htod(&self.dresidual).unwrap();
+        let mut y = stream.clone_htod(&poison.y).unwrap();
+        let mut h = stream.clone_htod(&poison.h).unwrap();
+        let mut dx = stream.clone_htod(&poison.dx).unwrap();
+        let mut dgamma = stream.clone_htod(&poison.dgamma).unwrap();
+        let mut dbeta = stream.clone_htod(&poison.dbeta).unwrap();
+        let mut mean = stream.clone_htod(&poison.mean).unwrap();
+        let mut rstd = stream.clone_htod(&poison.rstd).unwrap();
+        let mut ws = stream.alloc_zeros::<f32>(self.workspace_len()).unwrap();
+        let xv = Rows::with_stride(x.slice(o..), rows, d, s).unwrap();
+        let dyv = Rows::with_stride(dy.slice(o..), rows, d, s).unwrap();
+        let rv = Rows::with_stride(residual.slice(o..), rows, d, sr).unwrap();
+        let drv = Rows::with_stride(dresidual.slice(o..), rows, d, sdr).unwrap();
+        {
+            let mut yv = Rows::with_stride(y.slice_mut(o..), rows, d, s).unwrap();
+            let mut hv = Rows::with_stride(h.slice_mut(o..), rows, d, sh).unwrap();
+            match self.kind {
+                Kind::Rms => rms_norm::forward_residual(
+                    ctx,
+                    stream,
+                    &cfg,
+                    &xv,
+                    &rv,
+                    &gamma.as_view(),
+                    &mut yv,
+                    &mut hv,
+                    Some(&mut rstd.as_view_mut()),
+                ),
+                Kind::Layer { bias } => layer_norm::forward_residual(
+                    ctx,
+                    stream,
+                    &cfg,
+                    &xv,
+                    &rv,
+                    &gamma.as_view(),
+                    bias.then_some(&beta.as_view()),
+                    &mut yv,
+                    &mut hv,
+                    Some(&mut mean.as_view_mut()),
+                    Some(&mut rstd.as_view_mut()),
+                ),
+            }
+            .unwrap();
+        }
+        let hv = Rows::with_stride(h.slice(o..), rows, d, sh).unwrap();
+        let mut dxv = Rows::with_stride(dx.slice_mut(o..), rows, d, s).unwrap();
+        let (mean_view, rstd_view) = (mean.as_view(), rstd.as_view());
+        match self.kind {
+            Kind::Rms => rms_norm::backward_residual(
+                ctx,
+                stream,
+                &cfg,
+                &dyv,
+                &hv,
+                &gamma.as_view(),
+                (!self.recompute).then_some(&rstd_view),
+                Some(&drv),
+                &mut dxv,
+                &mut dgamma.as_view_mut(),
+                &mut ws.as_view_mut(),
+            ),
+            Kind::Layer { bias } => {
+                let mut dbeta_view = dbeta.as_view_mut();
+                layer_norm::backward_residual(
+                    ctx,
+                    stream,
+                    &cfg,
+                    &dyv,
+                    &hv,
+                    &gamma.as_view(),
+                    (!self.recompute).then_some((&mean_view, &rstd_view)),
+                    Some(&drv),
+                    &mut dxv,
+                    &mut dgamma.as_view_mut(),
+                    bias.then_some(&mut dbeta_view),
+                    &mut ws.as_view_mut(),
+                )
+            }
+        }
+        .unwrap();
+        stream.synchronize().unwrap();
+        ResidualOutputs {
+            y: stream.clone_dtoh(&y).unwrap(),
+            h: stream.clone_dtoh(&h).unwrap(),
+            mean: stream.clone_dtoh(&mean).unwrap(),
+            rstd: stream.clone_dtoh(&rstd).unwrap(),
+            dx: stream.clone_dtoh(&dx).unwrap(),
+            dgamma: stream.clone_dtoh(&dgamma).unwrap(),
+            dbeta: stream.clone_dtoh(&dbeta).unwrap(),
+        }
+    }
+
+    /// residual_out bit for bit (one f32 add, one rounding to `H`), every other output against the
+    /// f64 reference run on h as stored, and nothing written outside the rows.
+    fn check(&self, out: &ResidualOutputs<T, H>, what: &str) {
+        let (o, [s, sr, sh, sdr], rows, d) = (self.offset, self.strides, self.rows, self.d);
+        let what = format!(
+            "{what} {:?} {rows}×{d} strides {:?} offset {o} x {} residual {} residual_out {}",
+            self.kind,
+            self.strides,
+            T::NAME,
+            R::NAME,
+            H::NAME
+        );
+        for r in 0..rows {
+            for j in 0..d {
+                let sum = self.x[o + r * s + j].to_f64() as f32
+                    + self.residual[o + r * sr + j].to_f64() as f32;
+                let (expected, got) = (H::from_f32(sum), out.h[o + r * sh + j]);
+                assert_eq!(
+                    got.bits(),
+                    expected.bits(),
+                    "{what}: residual_out [{r}, {j}] = {got:?}, x + residual = {sum}"
+                );
+            }
+        }
+        let h = gather_rows(&out.h[o..], rows, d, sh);
+        let dy = gather_rows(&self.dy[o..], rows, d, s);
+        let dresidual = gather_rows(&self.dresidual[o..], rows, d, sdr);
+        let gamma = to_f64(&self.gamma);
+        let eps = EPS as f64;
+        let (y_ref, rstd_ref, dx_norm, dgamma_ref, dbeta_ref) = match self.kind {
+            Kind::Rms => {
+                let (y, rstd) = reference::forward(&h, &gamma, rows, d, eps);
+                let (dx, dgamma) = reference::backward(&dy, &h, &gamma, rows, d, eps);
+                (y, rstd, dx, dgamma, None)
+            }
+            Kind::Layer { bias } => {
+                let beta = to_f64(&self.beta);
+                let beta = bias.then_some(&beta[..]);
+                let (y, _, rstd) = layer_reference::forward(&h, &gamma, beta, rows, d, eps);
+                let (dx, dgamma, dbeta) = layer_reference::backward(&dy, &h, &gamma, rows, d, eps);
+                (y, rstd, dx, dgamma, bias.then_some(dbeta))
+            }
+        };
+        let (rel, abs) = T::TOLERANCE;
+        assert_close::<T>(
+            &format!("{what}: y"),
+            &gather_rows(&out.y[o..], rows, d, s),
+            &y_ref,
+            rel,
+            abs * rms(&y_ref),
+        );
+        let (rel32, abs32) = f32::TOLERANCE;
+        let rstd: Vec<f64> = out.rstd.iter().map(|&v| v as f64).collect();
+        assert_close::<f32>(
+            &format!("{what}: rstd"),
+            &rstd,
+            &rstd_ref,
+            rel32,
+            abs32 * rms(&rstd_ref),
+        );
+        // dx = (the norm's dx) + dresidual, judged on the scale of its terms as in `Case::check`.
+        let term: Vec<f64> = (0..rows * d)
+            .map(|i| rstd_ref[i / d] * dy[i] * gamma[i % d])
+            .collect();
+        let row_scale: Vec<f64> = term.chunks(d).map(rms).collect();
+        let dx_ref: Vec<f64> = dx_norm.iter().zip(&dresidual).map(|(a, b)| a + b).collect();
+        assert_close_each::<T>(
+            &format!("{what}: dx"),
+            &gather_rows(&out.dx[o..], rows, d, s),
+            &dx_ref,
+            rel,
+            |i| abs * row_scale[i / d].max(term[i].abs()).max(dresidual[i].abs()),
+        );
+        let growth = 1.0 + (rows as f64).sqrt() * f32::EPSILON as f64 / rel;
+        let dgamma_scale = rms(&dgamma_ref).max(rms(&term) * (rows as f64).sqrt());
+        assert_close::<T>(
+            &format!("{what}: dgamma"),
+            &to_f64(&out.dgamma),
+            &dgamma_ref,
+            rel * growth,
+            abs * growth * dgamma_scale,
+        );
+        if let Some(dbeta_ref) = dbeta_ref {
+            let scale = rms(&dbeta_ref).max(rms(&dy) * (rows as f64).sqrt());
+            assert_close::<T>(
+                &format!("{what}: dbeta"),
+                &to_f64(&out.dbeta),
+                &dbeta_ref,
+                rel * growth,
+                abs * growth * scale,
+            );
+        }
+        let inside = |i: usize, s: usize| i >= o && (i - o) % s < d && (i - o) / s < rows;
+        for (i, v) in out.h.iter().enumerate() {
+            if !inside(i, sh) {
+                assert_eq!(v.bits(), H::poison().bits(), "{what}: residual_out [{i}]");
+            }
+        }
+        for (i, (y, dx)) in out.y.iter().zip(&out.dx).enumerate() {
+            if !inside(i, s) {
+                assert_eq!(
+                    y.bits(),
+                    T::poison().bits(),
+                    "{what}: y [{i}] outside the rows"
+                );
+                assert_eq!(
+                    dx.bits(),
+                    T::poison().bits(),
+                    "{what}: dx [{i}] outside the rows"
+                );
+            }
+        }
+    }
+}
+
+/// (rows, d, strides): single elements (odd d, so rows are shifted off 16-byte alignment: the
+/// residual families stream then, every pass re-reading x + residual), and 16-byte packs in a
+/// register tile, every operand on a stride of its own that keeps packs aligned (a multiple of 8
+/// elements). Streaming with packs needs rows wider than the emulator runs quickly: the GPU tests
+/// cover it.
+type ResidualShape = (usize, usize, [usize; 4]);
+const SCALAR: ResidualShape = (5, 127, [130, 129, 131, 133]);
+const PACKED: ResidualShape = (3, 1000, [1000, 1016, 1008, 1024]);
+
+fn emulated_residual<T: TestDtype, R: TestDtype, H: TestDtype>(cases: &[(Kind, ResidualShape)]) {
+    let mut rng = Rng::fresh(&format!(
+        "emulator_residual_{}_{}_{}",
+        T::NAME,
+        R::NAME,
+        H::NAME
+    ));
+    for &(kind, (rows, d, strides)) in cases {
+        let case = ResidualCase::<T, R, H>::new(kind, &mut rng, rows, d, strides);
+        case.check(&case.run_emulator(&Emulator::new()), "emulator residual");
+    }
+}
+
+const LAYER: Kind = Kind::Layer { bias: true };
+
+#[test]
+fn emulator_residual_in_the_activations_dtype() {
+    emulated_residual::<bf16, bf16, bf16>(&[
+        (Kind::Rms, SCALAR),
+        (Kind::Rms, PACKED),
+        (LAYER, SCALAR),
+        (LAYER, PACKED),
+    ]);
+    emulated_residual::<f32, f32, f32>(&[(Kind::Rms, SCALAR)]);
+}
+
+#[test]
+fn emulator_residual_stream_in_f32() {
+    // The fp32 residual stream next to bf16 (or f16) activations, and the two mixed cases.
+    emulated_residual::<bf16, f32, f32>(&[
+        (Kind::Rms, SCALAR),
+        (Kind::Rms, PACKED),
+        (Kind::Layer { bias: false }, PACKED),
+    ]);
+    emulated_residual::<f16, f16, f32>(&[(Kind::Rms, SCALAR)]);
+    emulated_residual::<bf16, f32, bf16>(&[(LAYER, PACKED)]);
+}
+
+#[test]
+fn emulator_residual_recomputed_statistics() {
+    let mut rng = Rng::fresh("emulator_residual_recomputed_statistics");
+    for (kind, (rows, d, strides)) in [(Kind::Rms, SCALAR), (LAYER, PACKED)] {
+        let mut case = ResidualCase::<bf16, f32, f32>::new(kind, &mut rng, rows, d, strides);
+        case.recompute = true;
+        case.check(
+            &case.run_emulator(&Emulator::new()),
+            "emulator residual recompute",
+        );
+    }
+}
+
+#[test]
+fn emulator_residual_normalizes_what_it_stores() {
+    // With packs and a register tile, the plain forward on residual_out runs the same reduction
+    // order: y and rstd agree bit for bit with the fused forward's.
+    let mut rng = Rng::fresh("emulator_residual_normalizes_what_it_stores");
+    let (rows, d) = (3, 1000);
+    let case = ResidualCase::<bf16, f32, bf16>::new(Kind::Rms, &mut rng, rows, d, [d; 4]);
+    let fused = case.run_emulator(&Emulator::new());
+    let (mut y, mut rstd) = (vec![bf16::poison(); rows * d], vec![f32::NAN; rows]);
+    Emulator::new()
+        .rms_norm_forward(
+            &NormConfig::new(EPS),
+            &Rows::new(&fused.h[..], rows, d).unwrap(),
+            &case.gamma,
+            &mut Rows::new(&mut y[..], rows, d).unwrap(),
+            Some(&mut rstd),
+        )
+        .unwrap();
+    assert!(same_bits(&y, &fused.y) && same_bits(&rstd, &fused.rstd));
+}
+
+#[test]
+fn residual_bad_arguments_are_rejected_before_anything_is_written() {
+    let (rows, d) = (4, 16);
+    let emu = Emulator::new();
+    let cfg = NormConfig::new(EPS);
+    let x = vec![bf16::ONE; rows * d];
+    let gamma = vec![bf16::ONE; d];
+    let (r16, r32) = (vec![f16::ONE; rows * d], vec![1.0f32; rows * d]);
+    let mut y = vec![bf16::poison(); rows * d];
+    let mut h32 = vec![f32::NAN; rows * d];
+    let mut h16 = vec![f16::poison(); rows * d];
+    let xv = Rows::new(&x[..], rows, d).unwrap();
+    let mut yv = Rows::new(&mut y[..], rows, d).unwrap();
+    let r = emu.rms_norm_forward_residual(
+        &cfg,
+        &xv,
+        &Rows::new(&r32[..d * (rows - 1)], rows - 1, d).unwrap(),
+        &gamma,
+        &mut yv,
+        &mut Rows::new(&mut h32[..], rows, d).unwrap(),
+        None,
+    );
+    assert!(
+        matches!(
+            r,
+            Err(Error::Shape {
+                what: "residual",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    let r = emu.layer_norm_forward_residual(
+        &cfg,
+        &xv,
+        &Rows::new(&r32[..], rows, d).unwrap(),
+        &gamma,
+        None,
+        &mut yv,
+        &mut Rows::with_stride(&mut h32[..], rows, d - 1, d).unwrap(),
+        None,
+        None,
+    );
+    assert!(
+        matches!(
+            r,
+            Err(Error::Shape {
+                what: "residual_out",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    let r = emu.rms_norm_forward_residual(
+        &cfg,
+        &xv,
+        &Rows::new(&r16[..], rows, d).unwrap(),
+        &gamma,
+        &mut yv,
+        &mut Rows::new(&mut h32[..], rows, d).unwrap(),
+        None,
+    );
+    assert!(
+        matches!(
+            r,
+            Err(Error::UnsupportedDtypes {
+                what: "residual",
+                dtype: "f16",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    let r = emu.rms_norm_forward_residual(
+        &cfg,
+        &xv,
+        &Rows::new(&r32[..], rows, d).unwrap(),
+        &gamma,
+        &mut yv,
+        &mut Rows::new(&mut h16[..], rows, d).unwrap(),
+        None,
+    );
+    assert!(
+        matches!(
+            r,
+            Err(Error::UnsupportedDtypes {
+                what: "residual_out",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert!(same_bits(&y, &vec![bf16::poison(); rows * d]));
+    assert!(h32.iter().all(|v| v.is_nan()) && same_bits(&h16, &vec![f16::poison(); rows * d]));
+
+    let mut dx = vec![bf16::poison(); rows * d];
+    let mut dgamma = vec![bf16::poison(); d];
+    let ws_len = layer_norm::workspace_len(rows, d);
+    let mut ws = aligned_f32(ws_len);
+    let hv = Rows::new(&r32[..], rows, d).unwrap();
+    let r = emu.rms_norm_backward_residual(
+        &cfg,
+        &xv,
+        &hv,
+        &gamma,
+        None,
+        Some(&Rows::new(&r32[..], rows, d - 1).unwrap()),
+        &mut Rows::new(&mut dx[..], rows, d).unwrap(),
+        &mut dgamma,
+        floats_mut(&mut ws, ws_len),
+    );
+    assert!(
+        matches!(
+            r,
+            Err(Error::Shape {
+                what: "dresidual",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    let r = emu.layer_norm_backward_residual(
+        &cfg,
+        &xv,
+        &Rows::new(&r16[..], rows, d).unwrap(),
+        &gamma,
+        None,
+        None,
+        &mut Rows::new(&mut dx[..], rows, d).unwrap(),
+        &mut dgamma,
+        None,
+        floats_mut(&mut ws, ws_len),
+    );
+    assert!(
+        matches!(
+            r,
+            Err(Error::UnsupportedDtypes {
+                what: "x (residual_out)",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    let r = emu.rms_norm_backward_residual(
+        &cfg,
+        &xv,
+        &Rows::new(&r32[..d * (rows - 1)], rows - 1, d).unwrap(),
+        &gamma,
+        None,
+        None,
+        &mut Rows::new(&mut dx[..], rows, d).unwrap(),
+        &mut dgamma,
+        floats_mut(&mut ws, ws_len),
+    );
+    assert!(matches!(r, Err(Error::Shape { what: "dy", .. })), "{r:?}");
+    assert!(
+        same_bits(&dx, &vec![bf16::poison(); rows * d])
+            && same_bits(&dgamma, &vec![bf16::poison(); d]),
+        "a rejected backward wrote output"
+    );
+}
+
+/// (rows, d, strides) on the GPU: the 4096-wide register tile, the widest register tile, rows
+/// too wide for registers, and unaligned rows.
+const GPU_RESIDUAL_SHAPES: [ResidualShape; 4] = [
+    (4096, 4096, [4096, 4096, 4096, 4096]),
+    (64, 8192, [8192, 8200, 8208, 8192]),
+    (16, 65536, [65536; 4]),
+    (1000, 4097, [4099, 4101, 4103, 4097]),
+];
+
+fn gpu_residual<T: TestDtype, R: TestDtype, H: TestDtype>() {
+    let Some((ctx, stream)) = gpu() else { return };
+    let mut rng = Rng::fresh(&format!("gpu_residual_{}_{}_{}", T::NAME, R::NAME, H::NAME));
+    for kind in KINDS {
+        for (rows, d, strides) in GPU_RESIDUAL_SHAPES {
+            let mut case = ResidualCase::<T, R, H>::new(kind, &mut rng, rows, d, strides);
+            case.recompute = kind == Kind::Layer { bias: false };
+            case.check(&case.run_gpu(ctx, stream), "gpu residual");
+        }
+    }
+}
+
+#[test]
+fn gpu_residual_matches_reference_bf16() {
+    gpu_residual::<bf16, bf16, bf16>();
+}
+
+#[test]
+fn gpu_residual_f32_stream_matches_reference_bf16() {
+    gpu_residual::<bf16, f32, f32>();
+}
+
+#[test]
+fn gpu_residual_matches_reference_mixed() {
+    gpu_residual::<f16, f16, f32>();
+    gpu_residual::<bf16, f32, bf16>();
+    gpu_residual::<f32, f32, f32>();
+}

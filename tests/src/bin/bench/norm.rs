@@ -1,12 +1,13 @@
-//! RMSNorm and LayerNorm (with bias), forward and backward.
+//! RMSNorm and LayerNorm (with bias), forward and backward; RMSNorm with the residual add fused
+//! in, the residual stream in bf16 and in f32.
 
 use std::sync::Arc;
 
 use half::bf16;
 use normkern::cudarc::driver::{CudaSlice, CudaStream};
 use normkern::{Context, NormConfig, Rows, layer_norm, rms_norm};
-use normkern_tests::Rng;
 use normkern_tests::bench::median_us;
+use normkern_tests::{Rng, TestDtype};
 
 use crate::{Measurement, Settings};
 
@@ -182,6 +183,118 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
             bytes,
         });
         eprintln!("layer_norm {rows}×{d}: fwd {fwd_us:.1} µs, bwd {bwd_us:.1} µs");
+        drop(sets);
+        out.extend(rms_norm_residual::<bf16>(
+            ctx, stream, s, &mut rng, rows, d, "bf16",
+        ));
+        let dtype = "bf16, f32 residual";
+        out.extend(rms_norm_residual::<f32>(
+            ctx, stream, s, &mut rng, rows, d, dtype,
+        ));
     }
     out
+}
+
+/// Operands of one fused-residual forward + backward: bf16 activations, residual stream in `H`.
+struct ResidualSet<H: TestDtype> {
+    x: CudaSlice<bf16>,
+    dy: CudaSlice<bf16>,
+    y: CudaSlice<bf16>,
+    dx: CudaSlice<bf16>,
+    residual: CudaSlice<H>,
+    /// residual_out of the forward, x of the backward.
+    h: CudaSlice<H>,
+    /// The gradient arriving on residual_out.
+    dresidual: CudaSlice<H>,
+    rstd: CudaSlice<f32>,
+}
+
+/// `rms_norm::forward_residual` and `backward_residual` (with dresidual) at `rows × d`, the
+/// residual stream stored as `H`.
+fn rms_norm_residual<H: TestDtype>(
+    ctx: &Context,
+    stream: &Arc<CudaStream>,
+    s: &Settings,
+    rng: &mut Rng,
+    rows: usize,
+    d: usize,
+    dtype: &'static str,
+) -> Vec<Measurement> {
+    let n = rows * d;
+    let h_bytes = std::mem::size_of::<H>();
+    let set_bytes = n * (4 * 2 + 3 * h_bytes);
+    let sets_needed = (ROTATE_BYTES / set_bytes).max(2);
+    let host_x: Vec<bf16> = rng.vec(n, -2.0, 2.0);
+    let host_dy: Vec<bf16> = rng.vec(n, -1.0, 1.0);
+    let host_residual: Vec<H> = rng.vec(n, -4.0, 4.0);
+    let host_dresidual: Vec<H> = rng.vec(n, -1.0, 1.0);
+    let mut sets: Vec<ResidualSet<H>> = (0..sets_needed)
+        .map(|_| ResidualSet {
+            x: stream.clone_htod(&host_x).unwrap(),
+            dy: stream.clone_htod(&host_dy).unwrap(),
+            y: stream.alloc_zeros(n).unwrap(),
+            dx: stream.alloc_zeros(n).unwrap(),
+            residual: stream.clone_htod(&host_residual).unwrap(),
+            h: stream.clone_htod(&host_residual).unwrap(),
+            dresidual: stream.clone_htod(&host_dresidual).unwrap(),
+            rstd: stream.alloc_zeros(rows).unwrap(),
+        })
+        .collect();
+    let gamma = stream.clone_htod(&rng.vec::<bf16>(d, 0.5, 1.5)).unwrap();
+    let mut dgamma = stream.alloc_zeros::<bf16>(d).unwrap();
+    let mut ws = rms_norm::alloc_workspace(stream, rows, d).unwrap();
+    let cfg = NormConfig::new(1e-6);
+    let fwd_us = median_us(ctx.cuda(), stream, s.warmup, s.reps, |i| {
+        let k = i % sets.len();
+        let set = &mut sets[k];
+        rms_norm::forward_residual(
+            ctx,
+            stream,
+            &cfg,
+            &Rows::new(set.x.as_view(), rows, d).unwrap(),
+            &Rows::new(set.residual.as_view(), rows, d).unwrap(),
+            &gamma.as_view(),
+            &mut Rows::new(set.y.as_view_mut(), rows, d).unwrap(),
+            &mut Rows::new(set.h.as_view_mut(), rows, d).unwrap(),
+            Some(&mut set.rstd.as_view_mut()),
+        )
+        .unwrap();
+    });
+    let bwd_us = median_us(ctx.cuda(), stream, s.warmup, s.reps, |i| {
+        let k = i % sets.len();
+        let set = &mut sets[k];
+        rms_norm::backward_residual(
+            ctx,
+            stream,
+            &cfg,
+            &Rows::new(set.dy.as_view(), rows, d).unwrap(),
+            &Rows::new(set.h.as_view(), rows, d).unwrap(),
+            &gamma.as_view(),
+            Some(&set.rstd.as_view()),
+            Some(&Rows::new(set.dresidual.as_view(), rows, d).unwrap()),
+            &mut Rows::new(set.dx.as_view_mut(), rows, d).unwrap(),
+            &mut dgamma.as_view_mut(),
+            &mut ws.as_view_mut(),
+        )
+        .unwrap();
+    });
+    eprintln!("rms_norm + residual ({dtype}) {rows}×{d}: fwd {fwd_us:.1} µs, bwd {bwd_us:.1} µs");
+    vec![
+        Measurement {
+            op: "rms_norm fwd + residual",
+            shape: format!("{rows}×{d}"),
+            dtype,
+            us: fwd_us,
+            // x and residual read, y and residual_out written, rstd written, γ read.
+            bytes: (2 * n * 2 + 2 * n * h_bytes + rows * 4 + d * 2) as f64,
+        },
+        Measurement {
+            op: "rms_norm bwd + dresidual",
+            shape: format!("{rows}×{d}"),
+            dtype,
+            us: bwd_us,
+            // dy read, dx written, x (residual_out) and dresidual read, rstd and γ read, dγ written.
+            bytes: (2 * n * 2 + 2 * n * h_bytes + rows * 4 + 2 * d * 2) as f64,
+        },
+    ]
 }
