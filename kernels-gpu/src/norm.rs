@@ -28,7 +28,7 @@
 
 use crate::arch;
 use crate::element::{Access, Element, MixedRows, Pack, Wide, load_f32s, row_addr, store_f32s};
-use crate::reduce::BlockReducer;
+use crate::reduce::{BlockReducer, Moments};
 use crate::variant::export_family;
 
 /// Launch parameters of the forward. Row strides are in elements; a statistic pointer of 0 skips
@@ -330,8 +330,10 @@ fn save_stats<const CENTERED: bool>(p: &ForwardParams, row: usize, mean: f32, rs
     }
 }
 
-/// `(μ, rstd)` of a row held in registers (μ = 0 for RMSNorm): exact two-pass variance, since the
-/// row is on chip. Accesses past `d` hold zeros and are kept out of the sums.
+/// `(μ, rstd)` of a row held in registers (μ = 0 for RMSNorm). LayerNorm: each thread takes the
+/// exact two-pass moments of its own elements, and the block merges them pairwise ([`Moments`]):
+/// one block reduction, as stable as a two-pass variance. Accesses past `d` hold zeros and are kept
+/// out of the sums.
 ///
 /// # Safety
 /// Every thread of the block calls it (block reductions).
@@ -351,31 +353,47 @@ unsafe fn row_stats_regs<
 ) -> (f32, f32) {
     let len = Access::<T, VEC>::LEN;
     let (tid, threads) = (arch::thread_idx(), arch::block_dim());
-    let mean = if CENTERED {
-        let mut sum = 0.0f32;
-        for xk in x {
-            for i in 0..len {
-                sum += S::get(xk, i);
+    let inside = |k: usize| (tid + k * threads) * len < d;
+    // Sum of squares about `center` over this thread's elements.
+    let sum_sq = |center: f32| {
+        let mut sum_sq = 0.0f32;
+        for (k, xk) in x.iter().enumerate() {
+            if inside(k) {
+                for i in 0..len {
+                    let c = S::get(xk, i) - center;
+                    sum_sq += c * c;
+                }
             }
         }
-        let total = unsafe { reducer.sum(sum) };
-        total * inv_d
+        sum_sq
+    };
+    if !CENTERED {
+        return (
+            0.0,
+            arch::rsqrt(unsafe { reducer.sum(sum_sq(0.0)) } * inv_d + eps),
+        );
+    }
+    let (mut sum, mut n) = (0.0f32, 0.0f32);
+    for (k, xk) in x.iter().enumerate() {
+        for i in 0..len {
+            sum += S::get(xk, i);
+        }
+        if inside(k) {
+            n += len as f32;
+        }
+    }
+    let mean = if n > 0.0 {
+        sum * arch::rcp_approx(n)
     } else {
         0.0
     };
-    let mut sum_sq = 0.0f32;
-    for k in 0..VPT {
-        if (tid + k * threads) * len < d {
-            for i in 0..len {
-                let c = S::get(&x[k], i) - mean;
-                sum_sq += c * c;
-            }
-        }
-    }
-    (
+    let local = Moments {
+        n,
         mean,
-        arch::rsqrt(unsafe { reducer.sum(sum_sq) } * inv_d + eps),
-    )
+        m2: sum_sq(mean),
+    };
+    let row = unsafe { reducer.moments(local) };
+    (row.mean, arch::rsqrt(row.m2 * inv_d + eps))
 }
 
 /// `(μ, rstd)` of a row streamed from memory (μ = 0 for RMSNorm), one pass per statistic.
