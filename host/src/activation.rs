@@ -16,7 +16,7 @@ use normkern_gpu::variant::{ActVariant, Dtype as KernelDtype, act};
 use crate::context::{Context, Gpu};
 use crate::emulator::Emulator;
 use crate::error::{Error, Result};
-use crate::launch::{Executor, Kernel, Shape, group_layout_at_most, launch_column_sum, packs_fit};
+use crate::launch::{Executor, Kernel, Shape, group_layout, launch_column_sum, packs_fit};
 use crate::tensor::{Buffer, Dtype, Rows, RowsMut, RowsRef, expect_len};
 
 /// The activation function. For the gated functions: `Silu` is SwiGLU, `GeluErf`/`GeluTanh` GeGLU.
@@ -43,13 +43,7 @@ impl Activation {
 
 /// f32 elements of workspace [`backward_dbias`] needs for `rows × d`.
 pub fn workspace_len(rows: usize, d: usize) -> usize {
-    dbias_group_layout(rows).1 * d
-}
-
-/// The dbias groups: at most 256, so that at 16384 rows and 4096 columns the backward's work items
-/// (group × 256 columns) fill the H200 in one wave and the fp32 partials stay 2 % of the traffic.
-fn dbias_group_layout(rows: usize) -> (usize, usize) {
-    group_layout_at_most(rows, 256)
+    group_layout(rows).1 * d
 }
 
 /// Threads per block of the elementwise kernels.
@@ -95,7 +89,7 @@ impl Call {
 
     fn run(self, exec: &dyn Executor) -> Result<()> {
         let (rows, d) = (self.rows, self.d);
-        let (rows_per_group, groups) = dbias_group_layout(rows);
+        let (rows_per_group, groups) = group_layout(rows);
         // Contiguous operands of an elementwise op are one long row to the kernel: plain indices
         // instead of row arithmetic, and 16-byte packs whenever the whole buffer allows them.
         let contiguous = self.dbias.is_none()

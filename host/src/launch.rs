@@ -134,12 +134,7 @@ const MIN_ROWS_PER_GROUP: usize = 16;
 /// `(rows_per_group, groups)` for `rows` rows: a function of the row count alone, which is what
 /// makes the dγ/dβ sums the same bits on every grid and every GPU.
 pub fn group_layout(rows: usize) -> (usize, usize) {
-    group_layout_at_most(rows, MAX_GROUPS)
-}
-
-/// [`group_layout`] with at most `max_groups` groups (at least 16 rows each).
-pub(crate) fn group_layout_at_most(rows: usize, max_groups: usize) -> (usize, usize) {
-    let per_group = rows.div_ceil(max_groups).max(MIN_ROWS_PER_GROUP);
+    let per_group = rows.div_ceil(MAX_GROUPS).max(MIN_ROWS_PER_GROUP);
     (per_group, rows.div_ceil(per_group))
 }
 

@@ -28,7 +28,7 @@
 
 use crate::arch;
 use crate::element::{Access, Element, MixedRows, Pack, Wide, load_f32s, row_addr, store_f32s};
-use crate::reduce::{BlockReducer, Moments};
+use crate::reduce::BlockReducer;
 use crate::variant::export_family;
 
 /// Launch parameters of the forward. Row strides are in elements; a statistic pointer of 0 skips
@@ -330,10 +330,8 @@ fn save_stats<const CENTERED: bool>(p: &ForwardParams, row: usize, mean: f32, rs
     }
 }
 
-/// `(μ, rstd)` of a row held in registers (μ = 0 for RMSNorm). LayerNorm: each thread takes the
-/// exact two-pass moments of its own elements, and the block merges them pairwise ([`Moments`]):
-/// one block reduction, as stable as a two-pass variance. Accesses past `d` hold zeros and are kept
-/// out of the sums.
+/// `(μ, rstd)` of a row held in registers (μ = 0 for RMSNorm): exact two-pass variance, since the
+/// row is on chip. Accesses past `d` hold zeros and are kept out of the sums.
 ///
 /// # Safety
 /// Every thread of the block calls it (block reductions).
@@ -353,47 +351,31 @@ unsafe fn row_stats_regs<
 ) -> (f32, f32) {
     let len = Access::<T, VEC>::LEN;
     let (tid, threads) = (arch::thread_idx(), arch::block_dim());
-    let inside = |k: usize| (tid + k * threads) * len < d;
-    // Sum of squares about `center` over this thread's elements.
-    let sum_sq = |center: f32| {
-        let mut sum_sq = 0.0f32;
-        for (k, xk) in x.iter().enumerate() {
-            if inside(k) {
-                for i in 0..len {
-                    let c = S::get(xk, i) - center;
-                    sum_sq += c * c;
-                }
+    let mean = if CENTERED {
+        let mut sum = 0.0f32;
+        for xk in x {
+            for i in 0..len {
+                sum += S::get(xk, i);
             }
         }
-        sum_sq
-    };
-    if !CENTERED {
-        return (
-            0.0,
-            arch::rsqrt(unsafe { reducer.sum(sum_sq(0.0)) } * inv_d + eps),
-        );
-    }
-    let (mut sum, mut n) = (0.0f32, 0.0f32);
-    for (k, xk) in x.iter().enumerate() {
-        for i in 0..len {
-            sum += S::get(xk, i);
-        }
-        if inside(k) {
-            n += len as f32;
-        }
-    }
-    let mean = if n > 0.0 {
-        sum * arch::rcp_approx(n)
+        let total = unsafe { reducer.sum(sum) };
+        total * inv_d
     } else {
         0.0
     };
-    let local = Moments {
-        n,
+    let mut sum_sq = 0.0f32;
+    for k in 0..VPT {
+        if (tid + k * threads) * len < d {
+            for i in 0..len {
+                let c = S::get(&x[k], i) - mean;
+                sum_sq += c * c;
+            }
+        }
+    }
+    (
         mean,
-        m2: sum_sq(mean),
-    };
-    let row = unsafe { reducer.moments(local) };
-    (row.mean, arch::rsqrt(row.m2 * inv_d + eps))
+        arch::rsqrt(unsafe { reducer.sum(sum_sq) } * inv_d + eps),
+    )
 }
 
 /// `(μ, rstd)` of a row streamed from memory (μ = 0 for RMSNorm), one pass per statistic.
@@ -509,17 +491,8 @@ unsafe fn forward_regs<
     let len = Access::<T, VEC>::LEN;
     let (tid, threads, d) = (arch::thread_idx(), arch::block_dim(), p.d as usize);
     let elem = |k: usize| (tid + k * threads) * len;
-    // γ and β are the same for every row: load them once per block.
-    let mut gamma = [[0.0f32; 8]; VPT];
-    let mut beta = [[0.0f32; 8]; VPT];
-    for k in 0..VPT {
-        if elem(k) < d {
-            gamma[k] = unsafe { param::<T, VEC>(p.gamma, elem(k), p.params_f32, p.gamma_offset) };
-            if CENTERED && p.beta != 0 {
-                beta[k] = unsafe { param::<T, VEC>(p.beta, elem(k), p.params_f32, 0.0) };
-            }
-        }
-    }
+    // γ and β are re-read for every row (from L1: every block of the SM reads the same few KB)
+    // rather than held: as f32 they would take 16 registers per pack each, a resident block.
     // As in the backward, the next row's loads can be issued before this row's reduction and stores.
     let load_row = |row: usize| {
         let src_row = src.row(row);
@@ -533,10 +506,11 @@ unsafe fn forward_regs<
     };
     let rows = p.rows as usize;
     let mut row = arch::block_idx();
-    // Only the widest tile prefetches: for narrower ones the extra registers cost a resident block
-    // per SM, which hid more latency than the prefetch (H200, 16384×4096 bf16: 82.6 % of copy
-    // without, 78–79 % with; 4096×16384 with the 4-pack tile: 64.5 % without, 84.5 % with).
-    let prefetch = VPT >= 4 && !S::WIDE;
+    // RMSNorm prefetches in the widest tile only: for narrower ones the extra registers cost a
+    // resident block per SM, which hid more latency than the prefetch (H200, 16384×4096 bf16:
+    // 82.6 % of copy without, 78–79 % with; 4096×16384 with the 4-pack tile: 64.5 % without,
+    // 84.5 % with). LayerNorm waits for two reductions per row, so it prefetches from 2 packs on.
+    let prefetch = (VPT >= 4 || (CENTERED && VPT >= 2)) && !S::WIDE;
     let mut next = if prefetch && row < rows {
         load_row(row)
     } else {
@@ -560,18 +534,18 @@ unsafe fn forward_regs<
         for k in 0..VPT {
             if elem(k) < d {
                 unsafe { src.emit(&src_row, elem(k), &x[k]) };
-                let mut y: Pack = [0; 4];
+                let gamma =
+                    unsafe { param::<T, VEC>(p.gamma, elem(k), p.params_f32, p.gamma_offset) };
+                let beta = if CENTERED && p.beta != 0 {
+                    unsafe { param::<T, VEC>(p.beta, elem(k), p.params_f32, 0.0) }
+                } else {
+                    [0.0; 8]
+                };
+                let mut y = [0.0f32; 8];
                 for i in 0..len {
-                    let v = normalize::<CENTERED>(
-                        S::get(&x[k], i),
-                        mean,
-                        rstd,
-                        gamma[k][i],
-                        beta[k][i],
-                    );
-                    T::set(&mut y, i, v);
+                    y[i] = normalize::<CENTERED>(S::get(&x[k], i), mean, rstd, gamma[i], beta[i]);
                 }
-                unsafe { Access::<T, VEC>::store(y_row, elem(k), &y) };
+                unsafe { Access::<T, VEC>::store(y_row, elem(k), &T::pack(&y, len)) };
             }
         }
         row += arch::grid_dim();

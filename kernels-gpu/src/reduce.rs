@@ -27,63 +27,8 @@ pub fn warp_sum(v: f32) -> f32 {
     warp_sums([v])[0]
 }
 
-/// Count, mean and sum of squared deviations (`M2`) of a set of values.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct Moments {
-    pub n: f32,
-    pub mean: f32,
-    pub m2: f32,
-}
-
-impl Moments {
-    /// The moments of both sets (Chan, Golub and LeVeque's pairwise update): as stable as a second
-    /// pass over the data, without the second block reduction a two-pass variance needs.
-    /// Not symmetric in rounding: callers merge in a fixed order.
-    #[inline(always)]
-    pub fn merge(a: Moments, b: Moments) -> Moments {
-        let n = a.n + b.n;
-        // Counts are exact small integers; n = 0 only when both sets are empty. A 1-ulp
-        // reciprocal: an IEEE division per merge step would bring its slow path and registers.
-        let b_share = if n > 0.0 {
-            b.n * arch::rcp_approx(n)
-        } else {
-            0.0
-        };
-        let delta = b.mean - a.mean;
-        Moments {
-            n,
-            mean: arch::fma(delta, b_share, a.mean),
-            m2: a.m2 + b.m2 + delta * delta * (a.n * b_share),
-        }
-    }
-
-    /// Moments over the 32 lanes of a warp; every lane gets the same bits (each butterfly step
-    /// merges the lower lane's set first on both partners).
-    #[inline(always)]
-    pub fn warp_merge(mut self) -> Moments {
-        let lane = arch::thread_idx() % WARP;
-        let mut mask = WARP / 2;
-        while mask > 0 {
-            let other = Moments {
-                n: arch::shfl_xor(self.n, mask as u32),
-                mean: arch::shfl_xor(self.mean, mask as u32),
-                m2: arch::shfl_xor(self.m2, mask as u32),
-            };
-            // Pick the operands, then merge once (not both orders and a select).
-            let (lo, hi) = if lane & mask == 0 {
-                (self, other)
-            } else {
-                (other, self)
-            };
-            self = Moments::merge(lo, hi);
-            mask >>= 1;
-        }
-        self
-    }
-}
-
-/// Most values one [`BlockReducer`] call reduces at once (three for [`Moments`]).
-pub const MAX_BLOCK_SUMS: usize = 3;
+/// Most values one [`BlockReducer::sums`] call reduces at once.
+pub const MAX_BLOCK_SUMS: usize = 2;
 /// Words of dynamic shared memory a [`BlockReducer`] needs: two slots of one word per warp per value.
 pub const BLOCK_SUM_SHARED_WORDS: usize = 2 * MAX_BLOCK_SUMS * WARP;
 
@@ -101,7 +46,7 @@ impl BlockReducer {
         BlockReducer { slot: 0 }
     }
 
-    /// Sums of `N ≤ 3` values over the whole block (a multiple of 32 threads, at most 1024); every
+    /// Sums of `N ≤ 2` values over the whole block (a multiple of 32 threads, at most 1024); every
     /// thread gets the totals, summed in a fixed order (lanes by butterfly, then warps).
     ///
     /// # Safety
@@ -128,39 +73,6 @@ impl BlockReducer {
             }
         }
         warp_sums(partial)
-    }
-
-    /// [`Moments`] of the whole block, merged in a fixed order (lanes by butterfly, then warps);
-    /// every thread gets the same bits.
-    ///
-    /// # Safety
-    /// As for [`Self::sums`].
-    #[inline(always)]
-    pub unsafe fn moments(&mut self, m: Moments) -> Moments {
-        let shared = arch::shared_f32();
-        let base = self.slot * MAX_BLOCK_SUMS * WARP;
-        self.slot ^= 1;
-        let tid = arch::thread_idx();
-        let (lane, warp, warps) = (tid % WARP, tid / WARP, arch::block_dim() / WARP);
-        let m = m.warp_merge();
-        if lane == 0 {
-            unsafe {
-                shared.store(base + warp, m.n);
-                shared.store(base + WARP + warp, m.mean);
-                shared.store(base + 2 * WARP + warp, m.m2);
-            }
-        }
-        arch::sync_threads();
-        let mut partial = Moments::default();
-        if lane < warps {
-            let load = |i: usize| unsafe { shared.load(base + i * WARP + lane) };
-            partial = Moments {
-                n: load(0),
-                mean: load(1),
-                m2: load(2),
-            };
-        }
-        partial.warp_merge()
     }
 
     /// The sum of one value over the block; see [`Self::sums`].
