@@ -138,10 +138,10 @@ fn with_register_budgets(ptx: &str) -> String {
                 })
                 .map(|b| b.2);
         }
-        if line == "{" {
-            if let Some(budget) = pending.take() {
-                out.push_str(&format!(".maxnreg {budget}\n"));
-            }
+        if line == "{"
+            && let Some(budget) = pending.take()
+        {
+            out.push_str(&format!(".maxnreg {budget}\n"));
         }
         out.push_str(line);
         out.push('\n');
