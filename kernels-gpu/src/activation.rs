@@ -3,8 +3,10 @@
 //! The functions and their derivatives are public `#[inline]` device functions, so other Rust GPU
 //! kernels (a matmul-backward epilogue, say) can fuse them: the backward recomputes `f'(preact)`
 //! from the saved pre-activation, so the derivative never round-trips through memory (seed 000).
-//! No libm: everything is built on [`exp`] (PTX `ex2.approx.f32`) and one `erfc` approximation;
-//! the accuracy against f64 is measured by `cargo test` (emulator) and on the GPU, see the docs.
+//! No libm: everything is built on `ex2.approx`, `rcp.approx` and FMA polynomials (one `erfc` fit);
+//! the accuracy against f64 is measured by `cargo test` (emulator) and on the GPU, see
+//! `docs/activation-accuracy.md`. SiLU and GELU are a few dozen instructions per element, so the
+//! kernels stay memory-bound only with these fast forms (IEEE division made them arithmetic-bound).
 //!
 //! Kernels walk `rows × d` elements in 16-byte packs (or single elements for unaligned views),
 //! with every operand on its own row stride; fp32 math, one rounding at the store.

@@ -11,9 +11,9 @@
 //! GPU's `ex2.approx.f32` is within about 2 ulp), `rcp_approx` is the exact quotient (the GPU's
 //! `rcp.approx` is within 1 ulp), and the `_ftz` forms flush subnormals as the GPU does;
 //! conversions to f16/bf16 round
-//! to nearest even exactly as `cvt.rn` does. Everything else is the same IEEE f32 arithmetic, but
-//! LLVM may contract `a*b+c` into an FMA on the GPU and not on the host, so results agree to
-//! rounding, not bitwise.
+//! to nearest even exactly as `cvt.rn` does, and `fma` is the host's fused multiply-add. Everything
+//! else is the same IEEE f32 arithmetic, so results agree to the rounding of those approximations,
+//! not bitwise.
 
 extern crate std;
 
