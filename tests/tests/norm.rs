@@ -1847,6 +1847,15 @@ fn emulator_residual_normalizes_what_it_stores() {
     assert!(same_bits(&y, &fused.y) && same_bits(&rstd, &fused.rstd));
 }
 
+/// Which argument a validation error names: `"shape of …"` or `"dtype D of …"`.
+fn rejected(r: normkern::Result<()>) -> String {
+    match r {
+        Err(Error::Shape { what, .. }) => format!("shape of {what}"),
+        Err(Error::UnsupportedDtypes { what, dtype, .. }) => format!("dtype {dtype} of {what}"),
+        other => panic!("expected a shape or dtype error, got {other:?}"),
+    }
+}
+
 #[test]
 fn residual_bad_arguments_are_rejected_before_anything_is_written() {
     let (rows, d) = (4, 16);
@@ -1869,16 +1878,7 @@ fn residual_bad_arguments_are_rejected_before_anything_is_written() {
         &mut Rows::new(&mut h32[..], rows, d).unwrap(),
         None,
     );
-    assert!(
-        matches!(
-            r,
-            Err(Error::Shape {
-                what: "residual",
-                ..
-            })
-        ),
-        "{r:?}"
-    );
+    assert_eq!(rejected(r), "shape of residual");
     let r = emu.layer_norm_forward_residual(
         &cfg,
         &xv,
@@ -1890,16 +1890,7 @@ fn residual_bad_arguments_are_rejected_before_anything_is_written() {
         None,
         None,
     );
-    assert!(
-        matches!(
-            r,
-            Err(Error::Shape {
-                what: "residual_out",
-                ..
-            })
-        ),
-        "{r:?}"
-    );
+    assert_eq!(rejected(r), "shape of residual_out");
     let r = emu.rms_norm_forward_residual(
         &cfg,
         &xv,
@@ -1909,17 +1900,7 @@ fn residual_bad_arguments_are_rejected_before_anything_is_written() {
         &mut Rows::new(&mut h32[..], rows, d).unwrap(),
         None,
     );
-    assert!(
-        matches!(
-            r,
-            Err(Error::UnsupportedDtypes {
-                what: "residual",
-                dtype: "f16",
-                ..
-            })
-        ),
-        "{r:?}"
-    );
+    assert_eq!(rejected(r), "dtype f16 of residual");
     let r = emu.rms_norm_forward_residual(
         &cfg,
         &xv,
@@ -1929,16 +1910,7 @@ fn residual_bad_arguments_are_rejected_before_anything_is_written() {
         &mut Rows::new(&mut h16[..], rows, d).unwrap(),
         None,
     );
-    assert!(
-        matches!(
-            r,
-            Err(Error::UnsupportedDtypes {
-                what: "residual_out",
-                ..
-            })
-        ),
-        "{r:?}"
-    );
+    assert_eq!(rejected(r), "dtype f16 of residual_out");
     assert!(same_bits(&y, &vec![bf16::poison(); rows * d]));
     assert!(h32.iter().all(|v| v.is_nan()) && same_bits(&h16, &vec![f16::poison(); rows * d]));
 
@@ -1958,16 +1930,7 @@ fn residual_bad_arguments_are_rejected_before_anything_is_written() {
         &mut dgamma,
         floats_mut(&mut ws, ws_len),
     );
-    assert!(
-        matches!(
-            r,
-            Err(Error::Shape {
-                what: "dresidual",
-                ..
-            })
-        ),
-        "{r:?}"
-    );
+    assert_eq!(rejected(r), "shape of dresidual");
     let r = emu.layer_norm_backward_residual(
         &cfg,
         &xv,
@@ -1980,16 +1943,7 @@ fn residual_bad_arguments_are_rejected_before_anything_is_written() {
         None,
         floats_mut(&mut ws, ws_len),
     );
-    assert!(
-        matches!(
-            r,
-            Err(Error::UnsupportedDtypes {
-                what: "x (residual_out)",
-                ..
-            })
-        ),
-        "{r:?}"
-    );
+    assert_eq!(rejected(r), "dtype f16 of x (residual_out)");
     let r = emu.rms_norm_backward_residual(
         &cfg,
         &xv,
@@ -2001,7 +1955,7 @@ fn residual_bad_arguments_are_rejected_before_anything_is_written() {
         &mut dgamma,
         floats_mut(&mut ws, ws_len),
     );
-    assert!(matches!(r, Err(Error::Shape { what: "dy", .. })), "{r:?}");
+    assert_eq!(rejected(r), "shape of dy");
     assert!(
         same_bits(&dx, &vec![bf16::poison(); rows * d])
             && same_bits(&dgamma, &vec![bf16::poison(); d]),
