@@ -87,19 +87,34 @@ impl Call {
         Call { dbias, ..self }
     }
 
+    /// Contiguous operands of an elementwise op are one long row to the kernel: plain indices
+    /// instead of row arithmetic, and 16-byte packs whenever the whole buffer allows them.
+    fn flattened(mut self) -> Self {
+        let len = self.rows * self.d;
+        let contiguous = self.dbias.is_none()
+            && self.rows > 0
+            && self
+                .inputs
+                .iter()
+                .chain(&self.outputs)
+                .all(|o| o.1 == self.d)
+            && len <= u32::MAX as usize;
+        if contiguous {
+            (self.rows, self.d) = (1, len);
+            for operand in self.inputs.iter_mut().chain(self.outputs.iter_mut()) {
+                operand.1 = len;
+            }
+        }
+        self
+    }
+
     fn run(self, exec: &dyn Executor) -> Result<()> {
+        self.flattened().launch(exec)
+    }
+
+    fn launch(self, exec: &dyn Executor) -> Result<()> {
         let (rows, d) = (self.rows, self.d);
         let (rows_per_group, groups) = group_layout(rows);
-        // Contiguous operands of an elementwise op are one long row to the kernel: plain indices
-        // instead of row arithmetic, and 16-byte packs whenever the whole buffer allows them.
-        let contiguous = self.dbias.is_none()
-            && self.inputs.iter().chain(&self.outputs).all(|o| o.1 == d)
-            && rows * d <= u32::MAX as usize;
-        let (rows, d) = if contiguous && rows > 0 {
-            (1, rows * d)
-        } else {
-            (rows, d)
-        };
         if rows > 0 {
             let mut addrs: Vec<u64> = self
                 .inputs
@@ -112,7 +127,7 @@ impl Call {
                 .inputs
                 .iter()
                 .chain(&self.outputs)
-                .map(|o| if contiguous { d } else { o.1 })
+                .map(|o| o.1)
                 .collect();
             let vec = packs_fit(self.dtype.bytes(), d, &addrs, &strides);
             let len = if vec { 16 / self.dtype.bytes() } else { 1 };
@@ -133,11 +148,11 @@ impl Call {
             };
             for (i, (addr, stride)) in self.inputs.iter().enumerate() {
                 p.inputs[i] = *addr;
-                p.input_strides[i] = if contiguous { d } else { *stride } as u64;
+                p.input_strides[i] = *stride as u64;
             }
             for (i, (addr, stride)) in self.outputs.iter().enumerate() {
                 p.outputs[i] = *addr;
-                p.output_strides[i] = if contiguous { d } else { *stride } as u64;
+                p.output_strides[i] = *stride as u64;
             }
             let variant = ActVariant {
                 dtype: self.dtype,
