@@ -42,6 +42,15 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
     let shape = format!("{rows}×{d}");
     let tensor = (n * 2) as f64;
     let mut out = Vec::new();
+    let mut record = |op: String, us: f64, bytes: f64| {
+        out.push(Measurement {
+            op: leak(op),
+            shape: shape.clone(),
+            dtype: "bf16",
+            us,
+            bytes,
+        })
+    };
     let acts: &[(Activation, &str)] = if s.quick {
         &[(Activation::Silu, "silu")]
     } else {
@@ -72,13 +81,7 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
             )
             .unwrap()
         });
-        out.push(Measurement {
-            op: leak(format!("{name} fwd")),
-            shape: shape.clone(),
-            dtype: "bf16",
-            us,
-            bytes: 2.0 * tensor,
-        });
+        record(format!("{name} fwd"), us, 2.0 * tensor);
         let us = time(&mut |set| {
             activation::backward(
                 ctx,
@@ -90,13 +93,7 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
             )
             .unwrap()
         });
-        out.push(Measurement {
-            op: leak(format!("{name} bwd")),
-            shape: shape.clone(),
-            dtype: "bf16",
-            us,
-            bytes: 3.0 * tensor,
-        });
+        record(format!("{name} bwd"), us, 3.0 * tensor);
         let us = time(&mut |set| {
             activation::backward_dbias(
                 ctx,
@@ -111,13 +108,11 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
             .unwrap()
         });
         // dy and preact read, dx written, dbias written (the workspace is not counted).
-        out.push(Measurement {
-            op: leak(format!("{name} bwd+dbias")),
-            shape: shape.clone(),
-            dtype: "bf16",
+        record(
+            format!("{name} bwd+dbias"),
             us,
-            bytes: 3.0 * tensor + (d * 2) as f64,
-        });
+            3.0 * tensor + (d * 2) as f64,
+        );
         if act == Activation::Relu {
             continue;
         }
@@ -132,13 +127,7 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
             )
             .unwrap()
         });
-        out.push(Measurement {
-            op: leak(format!("{name} gated fwd")),
-            shape: shape.clone(),
-            dtype: "bf16",
-            us,
-            bytes: 3.0 * tensor,
-        });
+        record(format!("{name} gated fwd"), us, 3.0 * tensor);
         let us = time(&mut |set| {
             let Set {
                 a,
@@ -159,13 +148,7 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
             )
             .unwrap()
         });
-        out.push(Measurement {
-            op: leak(format!("{name} gated bwd")),
-            shape: shape.clone(),
-            dtype: "bf16",
-            us,
-            bytes: 5.0 * tensor,
-        });
+        record(format!("{name} gated bwd"), us, 5.0 * tensor);
     }
     out
 }
