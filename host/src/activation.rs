@@ -170,6 +170,7 @@ impl Call {
                 Shape {
                     grid,
                     block: THREADS,
+                    cluster: 1,
                     shared_bytes: 0,
                 },
             )?;

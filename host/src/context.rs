@@ -4,15 +4,15 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK;
+use cudarc::driver::sys::{self, CUdevice_attribute};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use normkern_gpu::activation::Family;
 use normkern_gpu::norm::Norm;
-use normkern_gpu::variant::{ActVariant, Dtype, EntryName, Variant, act, tiles};
+use normkern_gpu::variant::{ActVariant, Dtype, EntryName, TILES, Variant, act, tiles};
 
 use crate::error::{Error, Result};
 use crate::launch::{Executor, Kernel, Shape};
@@ -84,7 +84,23 @@ impl Context {
                 let (fwd, bwd) = norm.families(residual);
                 for vec in [true, false] {
                     for &vpt in tiles(vec, Norm::scalar_streams(residual)) {
-                        let v = Variant { dtype, vec, vpt };
+                        let v = Variant {
+                            dtype,
+                            vec,
+                            vpt,
+                            cluster: false,
+                        };
+                        names.extend([v.entry_name(fwd), v.entry_name(bwd)]);
+                    }
+                }
+                if ptx_arch >= 90 {
+                    for vpt in TILES {
+                        let v = Variant {
+                            dtype,
+                            vec: true,
+                            vpt,
+                            cluster: true,
+                        };
                         names.extend([v.entry_name(fwd), v.entry_name(bwd)]);
                     }
                 }
@@ -189,33 +205,119 @@ impl Executor for Gpu<'_> {
         Ok(per_sm as usize * self.ctx.sm_count)
     }
 
+    fn resident_clusters(
+        &self,
+        kernel: &Kernel,
+        block: usize,
+        cluster: usize,
+        shared_bytes: usize,
+    ) -> Result<usize> {
+        let f = self.ctx.function(kernel)?;
+        let mut attribute = cluster_attribute(cluster);
+        let config = launch_config(
+            Shape {
+                grid: cluster,
+                block,
+                cluster,
+                shared_bytes,
+            },
+            self.stream,
+            &mut attribute,
+        );
+        let mut clusters: std::ffi::c_int = 0;
+        // SAFETY: a live function of this context and a config whose one attribute outlives the call.
+        unsafe { sys::cuOccupancyMaxActiveClusters(&mut clusters, f.cu_function(), &config) }
+            .result()
+            .map_err(Error::driver("cuOccupancyMaxActiveClusters"))?;
+        Ok(clusters.max(0) as usize)
+    }
+
+    fn max_cluster(&self) -> usize {
+        if self.ctx.ptx_arch >= 90 { 8 } else { 1 }
+    }
+
     fn grid_limit(&self) -> Option<usize> {
         self.ctx.grid_limit
     }
 
     fn launch(&self, kernel: &Kernel, shape: Shape) -> Result<()> {
         let f = self.ctx.function(kernel)?;
-        let cfg = LaunchConfig {
-            grid_dim: (shape.grid as u32, 1, 1),
-            block_dim: (shape.block as u32, 1, 1),
-            shared_mem_bytes: shape.shared_bytes as u32,
-        };
         match kernel {
-            Kernel::NormForward(_, _, p) => launch_one(f, self.stream, cfg, *p),
-            Kernel::NormBackward(_, _, p) => launch_one(f, self.stream, cfg, *p),
-            Kernel::ColumnSum(_, p) => launch_one(f, self.stream, cfg, *p),
-            Kernel::Activation(_, _, p) => launch_one(f, self.stream, cfg, *p),
+            Kernel::NormForward(_, _, p) => launch_one(f, self.stream, shape, *p),
+            Kernel::NormBackward(_, _, p) => launch_one(f, self.stream, shape, *p),
+            Kernel::ColumnSum(_, p) => launch_one(f, self.stream, shape, *p),
+            Kernel::Activation(_, _, p) => launch_one(f, self.stream, shape, *p),
         }
+    }
+}
+
+/// The launch attribute that makes `blocks` consecutive blocks one cluster.
+fn cluster_attribute(blocks: usize) -> sys::CUlaunchAttribute {
+    // SAFETY: an all-zero attribute is a valid (ignored) one; its value is set below.
+    let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attribute.value.clusterDim.x = blocks as u32;
+    attribute.value.clusterDim.y = 1;
+    attribute.value.clusterDim.z = 1;
+    attribute
+}
+
+/// The driver's description of a clustered launch on `stream`, pointing at `attribute`.
+fn launch_config(
+    shape: Shape,
+    stream: &CudaStream,
+    attribute: &mut sys::CUlaunchAttribute,
+) -> sys::CUlaunchConfig {
+    sys::CUlaunchConfig {
+        gridDimX: shape.grid as u32,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: shape.block as u32,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: shape.shared_bytes as u32,
+        hStream: stream.cu_stream(),
+        attrs: attribute,
+        numAttrs: 1,
     }
 }
 
 fn launch_one<P: Copy>(
     f: &CudaFunction,
     stream: &CudaStream,
-    cfg: LaunchConfig,
+    shape: Shape,
     params: P,
 ) -> Result<()> {
     let params = Params(params);
+    if shape.cluster > 1 {
+        // cudarc's launch builder has no cluster dimension: the driver call is made here, as the
+        // builder would make it (the buffers' stream ordering is already held by the op's guards).
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(Error::driver("cuCtxSetCurrent"))?;
+        let mut attribute = cluster_attribute(shape.cluster);
+        let config = launch_config(shape, stream, &mut attribute);
+        let mut args = [&params as *const Params<P> as *mut std::ffi::c_void];
+        // SAFETY: the op that built the parameters validated every buffer against them; the one
+        // kernel argument is the parameter block, passed by value as the entry declares it.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                f.cu_function(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(Error::driver("cuLaunchKernelEx"))?;
+        return Ok(());
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (shape.grid as u32, 1, 1),
+        block_dim: (shape.block as u32, 1, 1),
+        shared_mem_bytes: shape.shared_bytes as u32,
+    };
     let mut builder = stream.launch_builder(f);
     builder.arg(&params);
     // SAFETY: the op that built the parameters validated every buffer against them.

@@ -13,15 +13,56 @@ use crate::launch::{Executor, Kernel, Shape};
 /// several rows or groups per block as they do on a GPU.
 const EMULATED_RESIDENT_BLOCKS: usize = 4;
 
+/// Clusters the emulator offers by default: up to 2 blocks, like a small sm_90 device. Wider
+/// clusters cost an OS thread per emulated thread of every block at once.
+const EMULATED_MAX_CLUSTER: usize = 2;
+
 /// Runs normkern's kernels on the CPU. Methods mirror the GPU functions of each op module.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub struct Emulator {
     grid_limit: Option<usize>,
+    max_cluster: usize,
+    block_limit: usize,
+}
+
+impl Default for Emulator {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl Emulator {
     pub fn new() -> Self {
-        Emulator { grid_limit: None }
+        Emulator {
+            grid_limit: None,
+            max_cluster: EMULATED_MAX_CLUSTER,
+            block_limit: 1024,
+        }
+    }
+
+    /// Lets rows be split over clusters of up to `blocks` blocks (1: no clusters, like a GPU
+    /// before sm_90; at most 8). The default is 2.
+    pub fn with_clusters(mut self, blocks: usize) -> Result<Self> {
+        if !(1..=emu::MAX_CLUSTER).contains(&blocks) {
+            return Err(Error::Emulator(format!(
+                "clusters of {blocks} blocks: the emulator offers 1 to {}",
+                emu::MAX_CLUSTER
+            )));
+        }
+        self.max_cluster = blocks;
+        Ok(self)
+    }
+
+    /// Caps every block at `threads` threads (a multiple of 32, at most 1024), as a kernel's
+    /// registers cap it on a GPU: narrow rows then take the tiles that wide rows take there.
+    pub fn with_block_limit(mut self, threads: usize) -> Result<Self> {
+        if threads == 0 || threads > 1024 || !threads.is_multiple_of(32) {
+            return Err(Error::Emulator(format!(
+                "a block limit of {threads} threads: a multiple of 32 up to 1024 is required"
+            )));
+        }
+        self.block_limit = threads;
+        Ok(self)
     }
 
     /// Caps persistent grids at `blocks` blocks, like [`crate::Context::with_grid_limit`].
@@ -36,7 +77,11 @@ impl Emulator {
 
 impl Executor for Emulator {
     fn max_threads(&self, _kernel: &Kernel) -> Result<usize> {
-        Ok(1024)
+        Ok(self.block_limit)
+    }
+
+    fn max_cluster(&self) -> usize {
+        self.max_cluster
     }
 
     fn resident_blocks(
@@ -59,6 +104,7 @@ impl Executor for Emulator {
                 name.as_str(),
                 shape.grid,
                 shape.block,
+                shape.cluster,
                 shape.shared_bytes,
                 body,
             )

@@ -28,11 +28,14 @@ impl Kernel {
     }
 }
 
-/// Grid, block and dynamic shared memory of one launch.
+/// Grid, block, cluster and dynamic shared memory of one launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Shape {
+    /// Blocks in the grid: a multiple of `cluster`.
     pub grid: usize,
     pub block: usize,
+    /// Blocks per thread-block cluster (sm_90); 1 launches without clusters.
+    pub cluster: usize,
     pub shared_bytes: usize,
 }
 
@@ -42,6 +45,19 @@ pub(crate) trait Executor {
     fn max_threads(&self, kernel: &Kernel) -> Result<usize>;
     /// Blocks of this kernel that run at once on the whole device: the persistent grid's size.
     fn resident_blocks(&self, kernel: &Kernel, block: usize, shared_bytes: usize) -> Result<usize>;
+    /// Clusters of `cluster` blocks of this kernel that run at once on the whole device.
+    fn resident_clusters(
+        &self,
+        kernel: &Kernel,
+        block: usize,
+        cluster: usize,
+        shared_bytes: usize,
+    ) -> Result<usize> {
+        Ok(self.resident_blocks(kernel, block, shared_bytes)? / cluster)
+    }
+    /// The most blocks a cluster may have on this device: 8 on sm_90 and newer, 1 (no clusters)
+    /// before.
+    fn max_cluster(&self) -> usize;
     /// An upper bound on the grid set by the user (tests use it to prove grid invariance).
     fn grid_limit(&self) -> Option<usize>;
     /// Enqueues (GPU) or runs (emulator) one launch.
@@ -52,70 +68,117 @@ pub(crate) trait Executor {
         tiles.min(self.grid_limit().unwrap_or(usize::MAX)).max(1)
     }
 
-    /// A persistent grid for `work` items (rows or groups), never more blocks than items.
+    /// A persistent grid for `work` items (rows or groups), each taken by a cluster of `cluster`
+    /// blocks (1: by a block): never more clusters than items. Returns the grid in blocks. A grid
+    /// limit below one cluster still launches one.
     fn persistent_grid(
         &self,
         kernel: &Kernel,
         work: usize,
         block: usize,
+        cluster: usize,
         shared_bytes: usize,
     ) -> Result<usize> {
-        let resident = self.resident_blocks(kernel, block, shared_bytes)?.max(1);
-        let grid = work
-            .min(resident)
-            .min(self.grid_limit().unwrap_or(usize::MAX));
-        Ok(grid.max(1))
+        let resident = if cluster == 1 {
+            self.resident_blocks(kernel, block, shared_bytes)?
+        } else {
+            self.resident_clusters(kernel, block, cluster, shared_bytes)?
+        };
+        let limit = self
+            .grid_limit()
+            .map_or(usize::MAX, |blocks| blocks / cluster);
+        Ok(work.min(resident.max(1)).min(limit).max(1) * cluster)
     }
 }
 
 /// Shared memory every row kernel gets: the words of a block reduction.
-pub(crate) const ROW_KERNEL_SHARED_BYTES: usize = reduce::BLOCK_SUM_SHARED_WORDS * 4;
+pub(crate) const ROW_KERNEL_SHARED_BYTES: usize = reduce::ROW_REDUCER_SHARED_WORDS * 4;
 
 /// Threads a block prefers when the row fits in registers: enough warps per block to keep several
 /// blocks resident per SM and the per-row reduction short.
 const PREFERRED_THREADS: usize = 256;
 
-/// How one row is spread over a block: `vpt` accesses per thread (or [`STREAM`]) and the block size.
+/// How one row is spread over a block, or over a cluster of `cluster` blocks: `vpt` accesses per
+/// thread (or [`STREAM`]) and the block size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct RowTile {
     pub vpt: usize,
     pub threads: usize,
+    pub cluster: usize,
 }
 
+/// Blocks per cluster the row tiles try, smallest first: each halves the block's share of a row.
+const CLUSTER_SIZES: [usize; 3] = [2, 4, 8];
+/// Most threads per block of a streaming instance: a cluster of such blocks shares a row.
+const STREAM_THREADS: usize = 1024;
+
 /// Picks the tile for a row of `d` elements read `len` at a time, among register tiles when
-/// `registers` (the family has them for this access) or else streaming. The choice depends on the
-/// shape and on the kernel's register limit only, never on the grid, so reductions keep their order.
+/// `registers` (the family has them for this access) or else streaming. In order: one block of up
+/// to [`PREFERRED_THREADS`]; one block of up to the kernel's limit; a cluster of blocks (up to
+/// `max_cluster`), each of up to [`PREFERRED_THREADS`], then up to the limit; else streaming, by
+/// a cluster of `max_cluster` blocks. The choice depends on the shape, the device's cluster
+/// support and the kernel's register limit only, never on the grid, so reductions keep their order.
 pub(crate) fn row_tile(
     d: usize,
     len: usize,
     registers: bool,
-    max_threads: impl Fn(usize) -> Result<usize>,
+    max_cluster: usize,
+    max_threads: impl Fn(usize, bool) -> Result<usize>,
 ) -> Result<RowTile> {
+    if let Some(tile) = tile_override() {
+        return Ok(tile);
+    }
     let accesses = d.div_ceil(len);
-    let threads_for = |vpt: usize| accesses.div_ceil(vpt).next_multiple_of(32);
+    let threads_for = |vpt: usize, cluster: usize| {
+        accesses
+            .div_ceil(vpt * cluster)
+            .next_multiple_of(32)
+            .max(32)
+    };
     let register_tiles: &[usize] = if registers { &[1, 2, 4] } else { &[] };
-    for &vpt in register_tiles {
-        if threads_for(vpt) <= PREFERRED_THREADS {
+    let clusters = CLUSTER_SIZES.iter().copied().filter(|&c| c <= max_cluster);
+    let mut candidates: Vec<(usize, usize, bool)> = Vec::new();
+    candidates.extend(register_tiles.iter().map(|&vpt| (vpt, 1, true)));
+    candidates.extend(register_tiles.iter().skip(1).map(|&vpt| (vpt, 1, false)));
+    for preferred in [true, false] {
+        for cluster in clusters.clone() {
+            candidates.extend(register_tiles.iter().map(|&vpt| (vpt, cluster, preferred)));
+        }
+    }
+    for (vpt, cluster, preferred) in candidates {
+        let threads = threads_for(vpt, cluster);
+        let max = max_threads(vpt, cluster > 1)?.min(1024);
+        let limit = if preferred {
+            PREFERRED_THREADS.min(max)
+        } else {
+            max
+        };
+        if threads <= limit {
             return Ok(RowTile {
                 vpt,
-                threads: threads_for(vpt),
+                threads,
+                cluster,
             });
         }
     }
-    for &vpt in register_tiles.iter().skip(1) {
-        if threads_for(vpt) <= max_threads(vpt)?.min(1024) {
-            return Ok(RowTile {
-                vpt,
-                threads: threads_for(vpt),
-            });
-        }
-    }
-    let threads = accesses
-        .next_multiple_of(32)
-        .min(max_threads(STREAM)?.min(1024) / 32 * 32);
+    let cluster = max_cluster.clamp(1, 8);
+    let max = max_threads(STREAM, cluster > 1)?.min(STREAM_THREADS);
+    let threads = threads_for(1, cluster).min(max / 32 * 32);
     Ok(RowTile {
         vpt: STREAM,
         threads,
+        cluster,
+    })
+}
+
+/// Tuning aid, not API: `NORMKERN_ROW_TILE=vpt,threads,cluster` forces the row tile.
+fn tile_override() -> Option<RowTile> {
+    let v = std::env::var("NORMKERN_ROW_TILE").ok()?;
+    let mut it = v.split(',').map(|x| x.trim().parse::<usize>().ok());
+    Some(RowTile {
+        vpt: it.next()??,
+        threads: it.next()??,
+        cluster: it.next()??,
     })
 }
 
@@ -160,12 +223,13 @@ pub(crate) fn launch_column_sum(
     );
     let block = reduce::COLUMN_SUM_THREADS;
     let shared_bytes = reduce::COLUMN_SUM_THREADS * 4;
-    let grid = exec.persistent_grid(&kernel, d.div_ceil(32), block, shared_bytes)?;
+    let grid = exec.persistent_grid(&kernel, d.div_ceil(32), block, 1, shared_bytes)?;
     exec.launch(
         &kernel,
         Shape {
             grid,
             block,
+            cluster: 1,
             shared_bytes,
         },
     )

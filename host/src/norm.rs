@@ -296,8 +296,8 @@ impl Backward {
     }
 }
 
-/// Picks the row tile for a row kernel (its register limit included) and launches a persistent
-/// grid over `work` items (rows, or groups of rows).
+/// Picks the row tile for a row kernel (its register limit and the device's clusters included)
+/// and launches a persistent grid over `work` items (rows, or groups of rows).
 fn launch_rows(
     exec: &dyn Executor,
     dtype: KernelDtype,
@@ -307,20 +307,29 @@ fn launch_rows(
     work: usize,
     kernel: impl Fn(Variant) -> Kernel,
 ) -> Result<()> {
-    let variant = |vpt| Variant { dtype, vec, vpt };
+    let variant = |vpt, cluster| Variant {
+        dtype,
+        vec,
+        vpt,
+        cluster,
+    };
     let len = if vec { 16 / dtype.bytes() } else { 1 };
     let registers = vec || !Norm::scalar_streams(residual);
-    let tile = row_tile(d, len, registers, |vpt| {
-        exec.max_threads(&kernel(variant(vpt)))
+    // Cluster instances exist for packed access only.
+    let max_cluster = if vec { exec.max_cluster() } else { 1 };
+    let tile = row_tile(d, len, registers, max_cluster, |vpt, cluster| {
+        exec.max_threads(&kernel(variant(vpt, cluster)))
     })?;
-    let k = kernel(variant(tile.vpt));
-    let grid = exec.persistent_grid(&k, work, tile.threads, ROW_KERNEL_SHARED_BYTES)?;
+    let k = kernel(variant(tile.vpt, tile.cluster > 1));
+    let shared_bytes = ROW_KERNEL_SHARED_BYTES;
+    let grid = exec.persistent_grid(&k, work, tile.threads, tile.cluster, shared_bytes)?;
     exec.launch(
         &k,
         Shape {
             grid,
             block: tile.threads,
-            shared_bytes: ROW_KERNEL_SHARED_BYTES,
+            cluster: tile.cluster,
+            shared_bytes,
         },
     )
 }

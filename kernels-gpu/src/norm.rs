@@ -21,14 +21,14 @@
 //! the row comes from is a type parameter of the bodies (`RowSource`), so their instances do the
 //! same work as before.
 //!
-//! One block works on one row at a time. Register tiles (`VPT` = 1, 2, 4 accesses per thread)
+//! One block, or on sm_90 one cluster of blocks ([`Team`]), works on one row at a time. Register tiles (`VPT` = 1, 2, 4 accesses per thread)
 //! load the whole row once and keep it on chip: 16-byte packs give every thread `VPT·16` bytes in
 //! flight per operand. Rows too wide for registers use the streaming instance (`VPT` = 0), which
 //! reads the row more than once — the later reads mostly hit L2.
 
 use crate::arch;
 use crate::element::{Access, Element, MixedRows, Pack, Wide, load_f32s, row_addr, store_f32s};
-use crate::reduce::BlockReducer;
+use crate::reduce::{RowReducer, Team};
 use crate::variant::export_family;
 
 /// Launch parameters of the forward. Row strides are in elements; a statistic pointer of 0 skips
@@ -317,10 +317,16 @@ impl<T: Element, const VEC: bool> RowSource<T, VEC> for ResidualBackward {
     }
 }
 
-/// Writes the row's statistics (thread 0 only).
+/// Writes the row's statistics (thread 0 of the team only).
 #[inline(always)]
-fn save_stats<const CENTERED: bool>(p: &ForwardParams, row: usize, mean: f32, rstd: f32) {
-    if arch::thread_idx() == 0 {
+fn save_stats<const CENTERED: bool>(
+    p: &ForwardParams,
+    team: Team,
+    row: usize,
+    mean: f32,
+    rstd: f32,
+) {
+    if team.tid == 0 {
         if p.rstd != 0 {
             unsafe { (p.rstd as *mut f32).add(row).write(rstd) };
         }
@@ -343,14 +349,15 @@ unsafe fn row_stats_regs<
     const CENTERED: bool,
     S: RowSource<T, VEC>,
 >(
-    reducer: &mut BlockReducer,
+    reducer: &mut RowReducer,
+    team: Team,
     x: &[S::Held; VPT],
     d: usize,
     inv_d: f32,
     eps: f32,
 ) -> (f32, f32) {
     let len = Access::<T, VEC>::LEN;
-    let (tid, threads) = (arch::thread_idx(), arch::block_dim());
+    let Team { tid, threads, .. } = team;
     let mean = if CENTERED {
         let mut sum = 0.0f32;
         for xk in x {
@@ -389,7 +396,8 @@ unsafe fn row_stats_stream<
     const CENTERED: bool,
     S: RowSource<T, VEC>,
 >(
-    reducer: &mut BlockReducer,
+    reducer: &mut RowReducer,
+    team: Team,
     src: &S,
     row: usize,
     d: usize,
@@ -397,13 +405,13 @@ unsafe fn row_stats_stream<
     eps: f32,
 ) -> (f32, f32) {
     let mean = if CENTERED {
-        let sum = unsafe { stream_sum::<T, VEC, S>(reducer, src, row, d, |v| v) };
+        let sum = unsafe { stream_sum::<T, VEC, S>(reducer, team, src, row, d, |v| v) };
         sum * inv_d
     } else {
         0.0
     };
     let sum_sq =
-        unsafe { stream_sum::<T, VEC, S>(reducer, src, row, d, |v| (v - mean) * (v - mean)) };
+        unsafe { stream_sum::<T, VEC, S>(reducer, team, src, row, d, |v| (v - mean) * (v - mean)) };
     (mean, arch::rsqrt(sum_sq * inv_d + eps))
 }
 
@@ -459,21 +467,24 @@ pub unsafe fn forward<
     const VPT: usize,
     const CENTERED: bool,
     const RESIDUAL: bool,
+    const CLUSTER: bool,
 >(
     p: &ForwardParams,
 ) {
+    let team = Team::new(CLUSTER);
     let plain = Plain {
         x: p.x,
         stride: p.x_stride,
     };
     unsafe {
         match (VPT == 0, RESIDUAL) {
-            (true, false) => forward_stream::<T, VEC, CENTERED, _>(p, plain),
-            (true, true) => forward_stream::<T, VEC, CENTERED, _>(p, AddResidual::new(p)),
-            (false, false) => forward_regs::<T, VEC, VPT, CENTERED, _>(p, plain),
-            (false, true) => forward_regs::<T, VEC, VPT, CENTERED, _>(p, AddResidual::new(p)),
+            (true, false) => forward_stream::<T, VEC, CENTERED, _>(p, plain, team),
+            (true, true) => forward_stream::<T, VEC, CENTERED, _>(p, AddResidual::new(p), team),
+            (false, false) => forward_regs::<T, VEC, VPT, CENTERED, _>(p, plain, team),
+            (false, true) => forward_regs::<T, VEC, VPT, CENTERED, _>(p, AddResidual::new(p), team),
         }
     }
+    team.finish();
 }
 
 #[inline(always)]
@@ -486,10 +497,18 @@ unsafe fn forward_regs<
 >(
     p: &ForwardParams,
     src: S,
+    team: Team,
 ) {
-    let mut reducer = BlockReducer::new();
+    let mut reducer = RowReducer::new(team.cluster);
     let len = Access::<T, VEC>::LEN;
-    let (tid, threads, d) = (arch::thread_idx(), arch::block_dim(), p.d as usize);
+    let Team {
+        tid,
+        threads,
+        first,
+        stride,
+        ..
+    } = team;
+    let d = p.d as usize;
     let elem = |k: usize| (tid + k * threads) * len;
     // γ and β are re-read for every row (from L1: every block of the SM reads the same few KB)
     // rather than held: as f32 they would take 16 registers per pack each, a resident block.
@@ -505,7 +524,7 @@ unsafe fn forward_regs<
         x
     };
     let rows = p.rows as usize;
-    let mut row = arch::block_idx();
+    let mut row = first;
     // RMSNorm prefetches in the widest tile only: for narrower ones the extra registers cost a
     // resident block per SM, which hid more latency than the prefetch (H200, 16384×4096 bf16:
     // 82.6 % of copy without, 78–79 % with; 4096×16384 with the 4-pack tile: 64.5 % without,
@@ -518,17 +537,17 @@ unsafe fn forward_regs<
     };
     while row < rows {
         let raw = if prefetch { next } else { load_row(row) };
-        if prefetch && row + arch::grid_dim() < rows {
-            next = load_row(row + arch::grid_dim());
+        if prefetch && row + stride < rows {
+            next = load_row(row + stride);
         }
         let mut x = [S::Held::default(); VPT];
         for k in 0..VPT {
             x[k] = src.hold(&raw[k]);
         }
         let (mean, rstd) = unsafe {
-            row_stats_regs::<T, VEC, VPT, CENTERED, S>(&mut reducer, &x, d, p.inv_d, p.eps)
+            row_stats_regs::<T, VEC, VPT, CENTERED, S>(&mut reducer, team, &x, d, p.inv_d, p.eps)
         };
-        save_stats::<CENTERED>(p, row, mean, rstd);
+        save_stats::<CENTERED>(p, team, row, mean, rstd);
         let y_row = row_addr::<T>(p.y, row, p.y_stride);
         let src_row = src.row(row);
         for k in 0..VPT {
@@ -548,7 +567,7 @@ unsafe fn forward_regs<
                 unsafe { Access::<T, VEC>::store(y_row, elem(k), &T::pack(&y, len)) };
             }
         }
-        row += arch::grid_dim();
+        row += stride;
     }
 }
 
@@ -561,19 +580,35 @@ unsafe fn forward_stream<
 >(
     p: &ForwardParams,
     src: S,
+    team: Team,
 ) {
-    let mut reducer = BlockReducer::new();
+    let mut reducer = RowReducer::new(team.cluster);
     let len = Access::<T, VEC>::LEN;
-    let (tid, threads, d) = (arch::thread_idx(), arch::block_dim(), p.d as usize);
+    let Team {
+        tid,
+        threads,
+        first,
+        stride,
+        ..
+    } = team;
+    let d = p.d as usize;
     let accesses = d.div_ceil(len);
-    let mut row = arch::block_idx();
+    let mut row = first;
     while row < p.rows as usize {
         // Every pass re-reads the inputs (from L2) rather than the residual sum it wrote: the
         // sum is only written once, in the last pass.
         let (mean, rstd) = unsafe {
-            row_stats_stream::<T, VEC, CENTERED, S>(&mut reducer, &src, row, d, p.inv_d, p.eps)
+            row_stats_stream::<T, VEC, CENTERED, S>(
+                &mut reducer,
+                team,
+                &src,
+                row,
+                d,
+                p.inv_d,
+                p.eps,
+            )
         };
-        save_stats::<CENTERED>(p, row, mean, rstd);
+        save_stats::<CENTERED>(p, team, row, mean, rstd);
         let y_row = row_addr::<T>(p.y, row, p.y_stride);
         let src_row = src.row(row);
         let mut a = tid;
@@ -597,7 +632,7 @@ unsafe fn forward_stream<
             unsafe { Access::<T, VEC>::store(y_row, a * len, &y) };
             a += threads;
         }
-        row += arch::grid_dim();
+        row += stride;
     }
 }
 
@@ -608,7 +643,8 @@ unsafe fn forward_stream<
 /// The row is readable as the access requires; every thread of the block calls it.
 #[inline(always)]
 unsafe fn stream_sum<T: Element, const VEC: bool, S: RowSource<T, VEC>>(
-    reducer: &mut BlockReducer,
+    reducer: &mut RowReducer,
+    team: Team,
     src: &S,
     row: usize,
     d: usize,
@@ -617,13 +653,13 @@ unsafe fn stream_sum<T: Element, const VEC: bool, S: RowSource<T, VEC>>(
     let len = Access::<T, VEC>::LEN;
     let mut sum = 0.0f32;
     let row = src.row(row);
-    let mut a = arch::thread_idx();
+    let mut a = team.tid;
     while a < d.div_ceil(len) {
         let x = src.hold(&unsafe { src.load(&row, a * len) });
         for i in 0..len {
             sum += f(S::get(&x, i));
         }
-        a += arch::block_dim();
+        a += team.threads;
     }
     unsafe { reducer.sum(sum) }
 }
@@ -640,27 +676,34 @@ pub unsafe fn backward<
     const VPT: usize,
     const CENTERED: bool,
     const RESIDUAL: bool,
+    const CLUSTER: bool,
 >(
     p: &BackwardParams,
 ) {
+    let team = Team::new(CLUSTER);
     let plain = Plain {
         x: p.x,
         stride: p.x_stride,
     };
     unsafe {
         match (VPT == 0, RESIDUAL) {
-            (true, false) => backward_stream::<T, VEC, CENTERED, _>(p, plain),
-            (true, true) => backward_stream::<T, VEC, CENTERED, _>(p, ResidualBackward::new(p)),
-            (false, false) => backward_regs::<T, VEC, VPT, CENTERED, _>(p, plain),
-            (false, true) => backward_regs::<T, VEC, VPT, CENTERED, _>(p, ResidualBackward::new(p)),
+            (true, false) => backward_stream::<T, VEC, CENTERED, _>(p, plain, team),
+            (true, true) => {
+                backward_stream::<T, VEC, CENTERED, _>(p, ResidualBackward::new(p), team)
+            }
+            (false, false) => backward_regs::<T, VEC, VPT, CENTERED, _>(p, plain, team),
+            (false, true) => {
+                backward_regs::<T, VEC, VPT, CENTERED, _>(p, ResidualBackward::new(p), team)
+            }
         }
     }
+    team.finish();
 }
 
 /// `(mean(dŷ), mean(dŷ·x̂))` of a row from its block-wide sums (RMSNorm needs only the second).
 #[inline(always)]
 unsafe fn row_means<const CENTERED: bool>(
-    reducer: &mut BlockReducer,
+    reducer: &mut RowReducer,
     sum_dy_hat: f32,
     dot: f32,
     inv_d: f32,
@@ -698,10 +741,18 @@ unsafe fn backward_regs<
 >(
     p: &BackwardParams,
     src: S,
+    team: Team,
 ) {
-    let mut reducer = BlockReducer::new();
+    let mut reducer = RowReducer::new(team.cluster);
     let len = Access::<T, VEC>::LEN;
-    let (tid, threads, d) = (arch::thread_idx(), arch::block_dim(), p.d as usize);
+    let Team {
+        tid,
+        threads,
+        first,
+        stride,
+        ..
+    } = team;
+    let d = p.d as usize;
     let elem = |k: usize| (tid + k * threads) * len;
     let with_dbeta = CENTERED && p.dbeta_partials != 0;
     let mut gamma = [[0.0f32; 8]; VPT];
@@ -711,7 +762,7 @@ unsafe fn backward_regs<
         }
     }
     let rows = p.rows as usize;
-    let mut group = arch::block_idx();
+    let mut group = first;
     while group < p.groups as usize {
         let first = group * p.rows_per_group as usize;
         let end = (first + p.rows_per_group as usize).min(rows);
@@ -766,7 +817,14 @@ unsafe fn backward_regs<
             // Nothing saved: recompute the statistics from the row already in registers.
             let (mean, rstd) = if p.rstd == 0 {
                 unsafe {
-                    row_stats_regs::<T, VEC, VPT, CENTERED, S>(&mut reducer, &x, d, p.inv_d, p.eps)
+                    row_stats_regs::<T, VEC, VPT, CENTERED, S>(
+                        &mut reducer,
+                        team,
+                        &x,
+                        d,
+                        p.inv_d,
+                        p.eps,
+                    )
                 }
             } else {
                 saved
@@ -818,7 +876,7 @@ unsafe fn backward_regs<
                 }
             }
         }
-        group += arch::grid_dim();
+        group += stride;
     }
 }
 
@@ -831,14 +889,22 @@ unsafe fn backward_stream<
 >(
     p: &BackwardParams,
     src: S,
+    team: Team,
 ) {
-    let mut reducer = BlockReducer::new();
+    let mut reducer = RowReducer::new(team.cluster);
     let len = Access::<T, VEC>::LEN;
-    let (tid, threads, d) = (arch::thread_idx(), arch::block_dim(), p.d as usize);
+    let Team {
+        tid,
+        threads,
+        first,
+        stride,
+        ..
+    } = team;
+    let d = p.d as usize;
     let accesses = d.div_ceil(len);
     let with_dbeta = CENTERED && p.dbeta_partials != 0;
     let rows = p.rows as usize;
-    let mut group = arch::block_idx();
+    let mut group = first;
     while group < p.groups as usize {
         let first = group * p.rows_per_group as usize;
         let end = (first + p.rows_per_group as usize).min(rows);
@@ -852,6 +918,7 @@ unsafe fn backward_stream<
                 unsafe {
                     row_stats_stream::<T, VEC, CENTERED, S>(
                         &mut reducer,
+                        team,
                         &src,
                         row,
                         d,
@@ -914,28 +981,36 @@ unsafe fn backward_stream<
                 a += threads;
             }
         }
-        group += arch::grid_dim();
+        group += stride;
     }
 }
 
 /// RMSNorm and LayerNorm instances of the shared bodies, as the export and select macros want them.
 macro_rules! norm_instances {
-    ($($name:ident => $body:ident::<$centered:literal, $residual:literal>($params:ty);)*) => {$(
+    ($($name:ident => $body:ident::<$centered:literal, $residual:literal, $cluster:literal>($params:ty);)*) => {$(
         #[inline(always)]
         unsafe fn $name<T: Element, const VEC: bool, const VPT: usize>(p: &$params) {
-            unsafe { $body::<T, VEC, VPT, $centered, $residual>(p) }
+            unsafe { $body::<T, VEC, VPT, $centered, $residual, $cluster>(p) }
         }
     )*};
 }
 norm_instances! {
-    rms_forward => forward::<false, false>(ForwardParams);
-    rms_backward => backward::<false, false>(BackwardParams);
-    layer_forward => forward::<true, false>(ForwardParams);
-    layer_backward => backward::<true, false>(BackwardParams);
-    rms_forward_res => forward::<false, true>(ForwardParams);
-    rms_backward_res => backward::<false, true>(BackwardParams);
-    layer_forward_res => forward::<true, true>(ForwardParams);
-    layer_backward_res => backward::<true, true>(BackwardParams);
+    rms_forward => forward::<false, false, false>(ForwardParams);
+    rms_backward => backward::<false, false, false>(BackwardParams);
+    layer_forward => forward::<true, false, false>(ForwardParams);
+    layer_backward => backward::<true, false, false>(BackwardParams);
+    rms_forward_res => forward::<false, true, false>(ForwardParams);
+    rms_backward_res => backward::<false, true, false>(BackwardParams);
+    layer_forward_res => forward::<true, true, false>(ForwardParams);
+    layer_backward_res => backward::<true, true, false>(BackwardParams);
+    rms_forward_cluster => forward::<false, false, true>(ForwardParams);
+    rms_backward_cluster => backward::<false, false, true>(BackwardParams);
+    layer_forward_cluster => forward::<true, false, true>(ForwardParams);
+    layer_backward_cluster => backward::<true, false, true>(BackwardParams);
+    rms_forward_res_cluster => forward::<false, true, true>(ForwardParams);
+    rms_backward_res_cluster => backward::<false, true, true>(BackwardParams);
+    layer_forward_res_cluster => forward::<true, true, true>(ForwardParams);
+    layer_backward_res_cluster => backward::<true, true, true>(BackwardParams);
 }
 
 export_family!("rms_norm_fwd", ForwardParams, rms_forward);
@@ -965,6 +1040,50 @@ export_family!(
     BackwardParams,
     layer_backward_res,
     scalar_streams
+);
+// The cluster instances (sm_90 only): packed access, every tile.
+export_family!("rms_norm_fwd", ForwardParams, rms_forward_cluster, cluster);
+export_family!(
+    "rms_norm_bwd",
+    BackwardParams,
+    rms_backward_cluster,
+    cluster
+);
+export_family!(
+    "layer_norm_fwd",
+    ForwardParams,
+    layer_forward_cluster,
+    cluster
+);
+export_family!(
+    "layer_norm_bwd",
+    BackwardParams,
+    layer_backward_cluster,
+    cluster
+);
+export_family!(
+    "rms_norm_fwd_res",
+    ForwardParams,
+    rms_forward_res_cluster,
+    cluster
+);
+export_family!(
+    "rms_norm_bwd_res",
+    BackwardParams,
+    rms_backward_res_cluster,
+    cluster
+);
+export_family!(
+    "layer_norm_fwd_res",
+    ForwardParams,
+    layer_forward_res_cluster,
+    cluster
+);
+export_family!(
+    "layer_norm_bwd_res",
+    BackwardParams,
+    layer_backward_res_cluster,
+    cluster
 );
 
 /// Which norm: the `CENTERED` parameter of the shared bodies.
@@ -1018,11 +1137,15 @@ pub fn forward_body(
     v: crate::variant::Variant,
 ) -> unsafe fn(&ForwardParams) {
     use crate::variant::select_family;
-    match (norm, residual) {
-        (Norm::Rms, false) => select_family!(v, ForwardParams, rms_forward),
-        (Norm::Layer, false) => select_family!(v, ForwardParams, layer_forward),
-        (Norm::Rms, true) => select_family!(v, ForwardParams, rms_forward_res),
-        (Norm::Layer, true) => select_family!(v, ForwardParams, layer_forward_res),
+    match (norm, residual, v.cluster) {
+        (Norm::Rms, false, false) => select_family!(v, ForwardParams, rms_forward),
+        (Norm::Layer, false, false) => select_family!(v, ForwardParams, layer_forward),
+        (Norm::Rms, true, false) => select_family!(v, ForwardParams, rms_forward_res),
+        (Norm::Layer, true, false) => select_family!(v, ForwardParams, layer_forward_res),
+        (Norm::Rms, false, true) => select_family!(v, ForwardParams, rms_forward_cluster),
+        (Norm::Layer, false, true) => select_family!(v, ForwardParams, layer_forward_cluster),
+        (Norm::Rms, true, true) => select_family!(v, ForwardParams, rms_forward_res_cluster),
+        (Norm::Layer, true, true) => select_family!(v, ForwardParams, layer_forward_res_cluster),
     }
 }
 
@@ -1034,10 +1157,16 @@ pub fn backward_body(
     v: crate::variant::Variant,
 ) -> unsafe fn(&BackwardParams) {
     use crate::variant::select_family;
-    match (norm, residual) {
-        (Norm::Rms, false) => select_family!(v, BackwardParams, rms_backward),
-        (Norm::Layer, false) => select_family!(v, BackwardParams, layer_backward),
-        (Norm::Rms, true) => select_family!(v, BackwardParams, rms_backward_res),
-        (Norm::Layer, true) => select_family!(v, BackwardParams, layer_backward_res),
+    match (norm, residual, v.cluster) {
+        (Norm::Rms, false, false) => select_family!(v, BackwardParams, rms_backward),
+        (Norm::Layer, false, false) => select_family!(v, BackwardParams, layer_backward),
+        (Norm::Rms, true, false) => select_family!(v, BackwardParams, rms_backward_res),
+        (Norm::Layer, true, false) => select_family!(v, BackwardParams, layer_backward_res),
+        (Norm::Rms, false, true) => select_family!(v, BackwardParams, rms_backward_cluster),
+        (Norm::Layer, false, true) => select_family!(v, BackwardParams, layer_backward_cluster),
+        (Norm::Rms, true, true) => select_family!(v, BackwardParams, rms_backward_res_cluster),
+        (Norm::Layer, true, true) => {
+            select_family!(v, BackwardParams, layer_backward_res_cluster)
+        }
     }
 }

@@ -1,4 +1,4 @@
-//! Warp and block reductions, and the fixed-order column sum that turns `[groups, d]` fp32
+//! Warp, block and cluster reductions, and the fixed-order column sum that turns `[groups, d]` fp32
 //! partials into one row (the second pass of the deterministic dγ/dβ/dbias scheme).
 //!
 //! Every sum here has an order fixed by the launch shape alone: the butterfly gives every lane the
@@ -27,36 +27,48 @@ pub fn warp_sum(v: f32) -> f32 {
     warp_sums([v])[0]
 }
 
-/// Most values one [`BlockReducer::sums`] call reduces at once.
+/// Most values one [`RowReducer::sums`] call reduces at once.
 pub const MAX_BLOCK_SUMS: usize = 2;
-/// Words of dynamic shared memory a [`BlockReducer`] needs: two slots of one word per warp per value.
-pub const BLOCK_SUM_SHARED_WORDS: usize = 2 * MAX_BLOCK_SUMS * WARP;
+/// Words of dynamic shared memory a [`RowReducer`] needs: two slots of one word per warp per value
+/// for the block's sum, then two slots of one word per value for the exchange between the blocks
+/// of a cluster.
+pub const ROW_REDUCER_SHARED_WORDS: usize = 2 * MAX_BLOCK_SUMS * WARP + 2 * MAX_BLOCK_SUMS;
 
-/// Block-wide sums with one barrier each. Successive calls alternate between two shared-memory
-/// slots: a warp can only store into a slot again after passing the barrier of the call in between,
-/// which every other warp reaches only after reading that slot, so no second barrier is needed.
-/// Every thread of the block must make the same sequence of calls on its own reducer.
-pub struct BlockReducer {
+/// Sums over the threads that share one row: the block, or (sm_90) every block of the cluster.
+///
+/// Within a block: one barrier per call. Successive calls alternate between two shared-memory
+/// slots: a warp can only store into a slot again after passing the barrier of the call in
+/// between, which every other warp reaches only after reading that slot, so no second barrier is
+/// needed. Across a cluster the same holds for the one word per value each block publishes: the
+/// cluster barrier of the call in between orders every remote read before the next store.
+/// Every thread of every block of the cluster must make the same sequence of calls.
+pub struct RowReducer {
     slot: usize,
+    cluster: bool,
 }
 
-impl BlockReducer {
+impl RowReducer {
+    /// A reducer over the block, or with `cluster` over every block of the cluster: a constant of
+    /// the kernel instance, so a block-only instance carries no cluster code (nor its registers).
     #[inline(always)]
-    pub fn new() -> Self {
-        BlockReducer { slot: 0 }
+    pub fn new(cluster: bool) -> Self {
+        RowReducer { slot: 0, cluster }
     }
 
-    /// Sums of `N ≤ 2` values over the whole block (a multiple of 32 threads, at most 1024); every
-    /// thread gets the totals, summed in a fixed order (lanes by butterfly, then warps).
+    /// Sums of `N ≤ 2` values over the block (a multiple of 32 threads, at most 1024) and, in a
+    /// cluster, over its blocks; every thread gets the totals. The order is fixed: lanes by
+    /// butterfly, then warps, then blocks by a butterfly over their ranks, so every block of the
+    /// cluster computes the same bits.
     ///
     /// # Safety
-    /// Every thread of the block calls it (it contains a barrier); the launch provides
-    /// [`BLOCK_SUM_SHARED_WORDS`] words of dynamic shared memory.
+    /// Every thread of the block (of the cluster) calls it (it contains a barrier); the launch
+    /// provides [`ROW_REDUCER_SHARED_WORDS`] words of dynamic shared memory.
     #[inline(always)]
     pub unsafe fn sums<const N: usize>(&mut self, v: [f32; N]) -> [f32; N] {
         let shared = arch::shared_f32();
-        let base = self.slot * MAX_BLOCK_SUMS * WARP;
+        let slot = self.slot;
         self.slot ^= 1;
+        let base = slot * MAX_BLOCK_SUMS * WARP;
         let tid = arch::thread_idx();
         let (lane, warp, warps) = (tid % WARP, tid / WARP, arch::block_dim() / WARP);
         let v = warp_sums(v);
@@ -72,10 +84,29 @@ impl BlockReducer {
                 *x = unsafe { shared.load(base + i * WARP + lane) };
             }
         }
+        let block = warp_sums(partial);
+        if !self.cluster {
+            return block;
+        }
+        let blocks = arch::cluster_size();
+        // Each block publishes its totals; lane r of every warp reads block r's.
+        let published = 2 * MAX_BLOCK_SUMS * WARP + slot * MAX_BLOCK_SUMS;
+        if tid == 0 {
+            for (i, x) in block.iter().enumerate() {
+                unsafe { shared.store(published + i, *x) };
+            }
+        }
+        arch::sync_cluster();
+        let mut partial = [0.0f32; N];
+        if lane < blocks {
+            for (i, x) in partial.iter_mut().enumerate() {
+                *x = unsafe { shared.load_from(lane, published + i) };
+            }
+        }
         warp_sums(partial)
     }
 
-    /// The sum of one value over the block; see [`Self::sums`].
+    /// The sum of one value over the block (the cluster); see [`Self::sums`].
     ///
     /// # Safety
     /// As for [`Self::sums`].
@@ -85,9 +116,50 @@ impl BlockReducer {
     }
 }
 
-impl Default for BlockReducer {
-    fn default() -> Self {
-        Self::new()
+/// The threads that share one row: the block, or (sm_90, cluster instances) every block of a
+/// cluster, for rows too wide for one block's registers; their partial sums meet in
+/// [`RowReducer`]. Teams walk rows (or groups of rows) by grid stride, as blocks do.
+#[derive(Clone, Copy)]
+pub struct Team {
+    /// This thread's index in the team: the blocks of a cluster in rank order.
+    pub tid: usize,
+    pub threads: usize,
+    /// This team's first work item (row or group), and the number of teams.
+    pub first: usize,
+    pub stride: usize,
+    pub cluster: bool,
+}
+
+impl Team {
+    #[inline(always)]
+    pub fn new(cluster: bool) -> Self {
+        let block = arch::block_dim();
+        if cluster {
+            Team {
+                tid: arch::cluster_rank() * block + arch::thread_idx(),
+                threads: arch::cluster_size() * block,
+                first: arch::cluster_idx(),
+                stride: arch::cluster_count(),
+                cluster,
+            }
+        } else {
+            Team {
+                tid: arch::thread_idx(),
+                threads: block,
+                first: arch::block_idx(),
+                stride: arch::grid_dim(),
+                cluster,
+            }
+        }
+    }
+
+    /// The end of a kernel: a block may not exit while the others of its cluster can still read
+    /// its shared memory.
+    #[inline(always)]
+    pub fn finish(self) {
+        if self.cluster {
+            arch::sync_cluster();
+        }
     }
 }
 

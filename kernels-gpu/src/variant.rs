@@ -52,6 +52,9 @@ pub struct Variant {
     pub vec: bool,
     /// Accesses per thread in registers (1, 2, 4), or [`STREAM`].
     pub vpt: usize,
+    /// A row is shared by the blocks of a cluster (sm_90 only, packed access only); launch with
+    /// clusters of more than one block.
+    pub cluster: bool,
 }
 
 /// A PTX entry name, formatted without allocating.
@@ -85,7 +88,8 @@ impl EntryName {
 }
 
 impl Variant {
-    /// `<family>_<dtype>_<v|s><1|2|4|x>`, the scheme [`export_family!`] uses.
+    /// `<family>_<dtype>_<v|s><1|2|4|x>[c]`, the scheme [`export_family!`] uses (`c`: the cluster
+    /// instance).
     pub fn entry_name(&self, family: &str) -> EntryName {
         let mut n = EntryName::new(family, self.dtype);
         n.push(if self.vec { "_v" } else { "_s" });
@@ -95,14 +99,32 @@ impl Variant {
             4 => "4",
             _ => "x",
         });
+        if self.cluster {
+            n.push("c");
+        }
         n
     }
 }
 
 /// Exports every instance of a kernel family as a PTX entry (nvptx only). `$body` is generic over
 /// `<T: Element, const VEC: bool, const VPT: usize>` and takes `&$params`. With `scalar_streams`,
-/// single-element access gets only the streaming instance (see [`tiles`]).
+/// single-element access gets only the streaming instance (see [`tiles`]). With `cluster`, the
+/// cluster instances: packed access only, every tile, in the sm_90 build only.
 macro_rules! export_family {
+    ($family:literal, $params:ty, $body:ident, cluster) => {
+        $crate::variant::export_family!(@cl $family, $params, $body, "f32", F32);
+        $crate::variant::export_family!(@cl $family, $params, $body, "f16", F16);
+        $crate::variant::export_family!(@cl $family, $params, $body, "bf16", Bf16);
+    };
+    (@cl $family:literal, $params:ty, $body:ident, $dn:literal, $t:ident) => {
+        #[cfg(target_feature = "sm_90")]
+        const _: () = {
+            $crate::variant::export_family!(@one concat!($family, "_", $dn, "_v1c"), $params, $body, $t, true, 1);
+            $crate::variant::export_family!(@one concat!($family, "_", $dn, "_v2c"), $params, $body, $t, true, 2);
+            $crate::variant::export_family!(@one concat!($family, "_", $dn, "_v4c"), $params, $body, $t, true, 4);
+            $crate::variant::export_family!(@one concat!($family, "_", $dn, "_vxc"), $params, $body, $t, true, 0);
+        };
+    };
     ($family:literal, $params:ty, $body:ident $(, $mode:ident)?) => {
         $crate::variant::export_family!(@dt $family, $params, $body, "f32", F32 $(, $mode)?);
         $crate::variant::export_family!(@dt $family, $params, $body, "f16", F16 $(, $mode)?);

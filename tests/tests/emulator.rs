@@ -1,5 +1,6 @@
 //! The CPU emulator reports kernel misuse instead of hanging or corrupting memory: a barrier not
-//! every thread reaches, a shuffle with missing lanes, shared memory out of bounds, a panic.
+//! every thread reaches, a shuffle with missing lanes, shared memory out of bounds, a panic; and
+//! its clusters behave as sm_90's do.
 
 use normkern_gpu::arch::{self, emu};
 use normkern_gpu::reduce;
@@ -17,7 +18,7 @@ fn expect_error(result: Result<(), emu::EmuError>, kernel: &str, needle: &str) {
 
 #[test]
 fn barrier_in_divergent_code_is_reported() {
-    let r = emu::launch("half_barrier", 1, 64, 0, &|| {
+    let r = emu::launch("half_barrier", 1, 64, 1, 0, &|| {
         if arch::thread_idx() < 32 {
             arch::sync_threads();
         }
@@ -31,7 +32,7 @@ fn barrier_in_divergent_code_is_reported() {
 
 #[test]
 fn shuffle_with_missing_lanes_is_reported() {
-    let r = emu::launch("half_warp_shuffle", 1, 32, 0, &|| {
+    let r = emu::launch("half_warp_shuffle", 1, 32, 1, 0, &|| {
         if arch::thread_idx() < 16 {
             reduce::warp_sum(1.0);
         }
@@ -42,7 +43,7 @@ fn shuffle_with_missing_lanes_is_reported() {
 #[test]
 fn shuffle_in_a_partial_warp_is_reported() {
     // 48 threads: the second warp has 16 lanes, a full-mask shuffle there is undefined on a GPU.
-    let r = emu::launch("partial_warp", 1, 48, 0, &|| {
+    let r = emu::launch("partial_warp", 1, 48, 1, 0, &|| {
         reduce::warp_sum(1.0);
     });
     expect_error(r, "partial_warp", "warp shuffle not reached");
@@ -50,7 +51,7 @@ fn shuffle_in_a_partial_warp_is_reported() {
 
 #[test]
 fn shared_memory_out_of_bounds_is_reported() {
-    let r = emu::launch("shared_overflow", 2, 32, 64, &|| unsafe {
+    let r = emu::launch("shared_overflow", 2, 32, 1, 64, &|| unsafe {
         arch::shared_f32().store(16 + arch::thread_idx(), 1.0);
     });
     expect_error(r, "shared_overflow", "beyond the launch's 16 words");
@@ -58,7 +59,7 @@ fn shared_memory_out_of_bounds_is_reported() {
 
 #[test]
 fn a_panicking_thread_fails_the_launch_with_its_message() {
-    let r = emu::launch("panics", 1, 64, 0, &|| {
+    let r = emu::launch("panics", 1, 64, 1, 0, &|| {
         let v = [0u8; 4];
         let i = arch::thread_idx();
         std::hint::black_box(v[i]);
@@ -73,9 +74,10 @@ fn correct_block_reduction_runs_and_sums_in_order() {
         "block_sum",
         3,
         96,
-        reduce::BLOCK_SUM_SHARED_WORDS * 4,
+        1,
+        reduce::ROW_REDUCER_SHARED_WORDS * 4,
         &|| {
-            let mut reducer = reduce::BlockReducer::new();
+            let mut reducer = reduce::RowReducer::new(false);
             // Two successive reductions reuse the alternating slots.
             let a = unsafe { reducer.sum(arch::thread_idx() as f32) };
             let [b, c] = unsafe { reducer.sums([1.0, arch::block_idx() as f32]) };
@@ -95,4 +97,67 @@ fn correct_block_reduction_runs_and_sums_in_order() {
             (2, 4560.0, 96.0, 192.0)
         ]
     );
+}
+
+#[test]
+fn cluster_reduction_gives_every_block_the_same_sums() {
+    // 4 clusters of 3 blocks of 64 threads: each cluster sums over its 192 threads, in rank order.
+    let sums = std::sync::Mutex::new(Vec::new());
+    emu::launch(
+        "cluster_sum",
+        12,
+        64,
+        3,
+        reduce::ROW_REDUCER_SHARED_WORDS * 4,
+        &|| {
+            let mut reducer = reduce::RowReducer::new(true);
+            let rank = arch::cluster_rank();
+            let tid = rank * arch::block_dim() + arch::thread_idx();
+            // Three calls: the published words alternate between two slots, like the block's.
+            let a = unsafe { reducer.sum(tid as f32) };
+            let [b, c] = unsafe { reducer.sums([1.0, arch::cluster_idx() as f32]) };
+            let e = unsafe { reducer.sum(rank as f32) };
+            if arch::thread_idx() == 0 {
+                let ids = (
+                    arch::cluster_idx(),
+                    arch::cluster_count(),
+                    arch::block_idx(),
+                );
+                sums.lock()
+                    .unwrap()
+                    .push((ids, arch::cluster_size(), a, b, c, e));
+            }
+        },
+    )
+    .unwrap();
+    let mut sums = sums.into_inner().unwrap();
+    sums.sort_by_key(|s| s.0.2);
+    let expected: Vec<_> = (0..12)
+        .map(|block| {
+            let cluster = block / 3;
+            let ids = (cluster, 4, block);
+            (ids, 3, 18336.0, 192.0, 192.0 * cluster as f32, 192.0)
+        })
+        .collect();
+    assert_eq!(sums, expected);
+}
+
+#[test]
+fn cluster_barrier_in_divergent_code_is_reported() {
+    let r = emu::launch("half_cluster", 4, 32, 2, 0, &|| {
+        if arch::cluster_rank() == 0 {
+            arch::sync_cluster();
+        }
+    });
+    expect_error(
+        r,
+        "half_cluster",
+        "cluster barrier not reached by all 64 threads",
+    );
+}
+
+#[test]
+fn a_grid_that_is_not_whole_clusters_is_refused() {
+    let r = emu::launch("ragged", 5, 32, 2, 0, &|| {});
+    expect_error(r, "ragged", "invalid launch shape");
 }

@@ -860,6 +860,39 @@ fn emulator_layer_norm_without_bias_and_streaming_matches_reference() {
     }
 }
 
+/// Rows split over clusters of blocks (sm_90's tiles for rows too wide for one block), reached
+/// with small rows by capping the emulated block as registers cap it on a GPU: register tiles
+/// over 2 and 8 blocks, the streaming instance over 2, and recomputed statistics. Each against
+/// the reference, and bitwise the same on a grid of a single cluster.
+#[test]
+fn emulator_rows_split_over_clusters_match_reference() {
+    let mut rng = Rng::fresh("emulator_clusters");
+    // (rows, d, block limit, clusters up to): 2 × 64 threads × 4 packs; 8 × 32 × 4; streaming.
+    let shapes = [(5, 2048, 64, 2), (2, 4096, 32, 8), (3, 1100, 32, 2)];
+    for kind in [Kind::Rms, Kind::Layer { bias: true }] {
+        for (i, &(rows, d, block_limit, clusters)) in shapes.iter().enumerate() {
+            let emulator = |grid: Option<usize>| {
+                let e = Emulator::new()
+                    .with_block_limit(block_limit)
+                    .unwrap()
+                    .with_clusters(clusters)
+                    .unwrap();
+                grid.map_or(e, |blocks| e.with_grid_limit(blocks).unwrap())
+            };
+            let mut case = Case::<f32>::new(kind, &mut rng, rows, d, d, 0);
+            if i == 0 {
+                case = case.offset_and_recompute(&mut rng);
+            }
+            let out = case.run_emulator(&emulator(None));
+            case.check(&out, "emulator clusters");
+            assert!(
+                case.run_emulator(&emulator(Some(1))) == out,
+                "{kind:?} {rows}×{d}: one cluster at a time changed the result"
+            );
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The kernels on the GPU.
 

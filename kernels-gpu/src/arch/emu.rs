@@ -1,7 +1,9 @@
 //! The CPU twin of the nvptx `arch` module: the emulator that runs kernel bodies on the host.
 //!
-//! [`launch`] runs a grid block by block; the threads of a block are OS threads that share a real
-//! barrier, per-warp exchange slots for the shuffles, and the block's launch-sized shared memory.
+//! [`launch`] runs a grid cluster by cluster (a cluster of one block unless the launch asks for
+//! more); the threads of a cluster are OS threads. Each block has a real barrier, per-warp
+//! exchange slots for the shuffles and its launch-sized shared memory, which the other blocks of
+//! its cluster can read (distributed shared memory); the cluster has a barrier of its own.
 //! Misuse is reported, not hung: a barrier or shuffle that not every thread reaches times out and
 //! the launch returns an [`EmuError`] naming the kernel; shared-memory accesses are bounds-checked;
 //! a panic in any thread (an out-of-bounds index, say) ends the launch with its message.
@@ -61,7 +63,7 @@ impl Barrier {
         }
     }
 
-    fn wait(&self, block: &Block, what: &str) {
+    fn wait(&self, cluster: &Cluster, block: usize, what: &str) {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let generation = st.1;
         st.0 += 1;
@@ -73,17 +75,17 @@ impl Barrier {
         }
         let deadline = std::time::Instant::now() + STUCK_AFTER;
         while st.1 == generation {
-            if block.poisoned.load(Ordering::SeqCst) {
-                panic!("another thread of the block failed");
+            if cluster.poisoned.load(Ordering::SeqCst) {
+                panic!("another thread of the cluster failed");
             }
             let now = std::time::Instant::now();
             if now >= deadline {
-                block.poisoned.store(true, Ordering::SeqCst);
+                cluster.poisoned.store(true, Ordering::SeqCst);
                 self.cv.notify_all();
                 panic!(
-                    "{what} not reached by all {} threads of block {} within {:?} \
-                     (a barrier or shuffle inside divergent control flow?)",
-                    self.n, block.idx, STUCK_AFTER
+                    "{what} not reached by all {} threads within {:?} (block {block}; a barrier \
+                     or shuffle inside divergent control flow?)",
+                    self.n, STUCK_AFTER
                 );
             }
             let step = (deadline - now).min(Duration::from_millis(50));
@@ -105,12 +107,27 @@ struct Block {
     warp_barriers: Vec<Barrier>,
     warp_slots: Vec<AtomicU32>,
     shared: Vec<AtomicU32>,
+}
+
+/// What the blocks of one emulated cluster share.
+struct Cluster {
+    idx: usize,
+    count: usize,
+    blocks: Vec<Block>,
+    barrier: Barrier,
     poisoned: AtomicBool,
 }
 
 struct ThreadCtx {
     tid: usize,
-    block: Arc<Block>,
+    rank: usize,
+    cluster: Arc<Cluster>,
+}
+
+impl ThreadCtx {
+    fn block(&self) -> &Block {
+        &self.cluster.blocks[self.rank]
+    }
 }
 
 std::thread_local! {
@@ -131,37 +148,52 @@ pub fn thread_idx() -> usize {
     with_ctx(|c| c.tid)
 }
 pub fn block_idx() -> usize {
-    with_ctx(|c| c.block.idx)
+    with_ctx(|c| c.block().idx)
 }
 pub fn block_dim() -> usize {
-    with_ctx(|c| c.block.dim)
+    with_ctx(|c| c.block().dim)
 }
 pub fn grid_dim() -> usize {
-    with_ctx(|c| c.grid())
+    with_ctx(|c| c.block().grid)
 }
-
-impl ThreadCtx {
-    fn grid(&self) -> usize {
-        self.block.grid
-    }
+pub fn cluster_rank() -> usize {
+    with_ctx(|c| c.rank)
+}
+pub fn cluster_size() -> usize {
+    with_ctx(|c| c.cluster.blocks.len())
+}
+pub fn cluster_idx() -> usize {
+    with_ctx(|c| c.cluster.idx)
+}
+pub fn cluster_count() -> usize {
+    with_ctx(|c| c.cluster.count)
 }
 
 pub fn sync_threads() {
-    let block = with_ctx(|c| c.block.clone());
-    block.barrier.wait(&block, "block barrier");
+    let (cluster, rank) = with_ctx(|c| (c.cluster.clone(), c.rank));
+    let block = &cluster.blocks[rank];
+    block.barrier.wait(&cluster, block.idx, "block barrier");
+}
+
+/// Every thread of every block of the cluster waits for all the others.
+pub fn sync_cluster() {
+    let (cluster, rank) = with_ctx(|c| (c.cluster.clone(), c.rank));
+    let idx = cluster.blocks[rank].idx;
+    cluster.barrier.wait(&cluster, idx, "cluster barrier");
 }
 
 /// Every lane of the warp publishes its value, waits for the whole warp, reads its partner's, and
 /// waits again so no slot is overwritten before it was read. A missing lane is a timeout.
 pub fn shfl_xor(v: f32, lane_mask: u32) -> f32 {
-    let (block, tid) = with_ctx(|c| (c.block.clone(), c.tid));
+    let (cluster, rank, tid) = with_ctx(|c| (c.cluster.clone(), c.rank, c.tid));
+    let block = &cluster.blocks[rank];
     let warp = tid / WARP;
     let lane = tid % WARP;
     let partner = lane ^ (lane_mask as usize & (WARP - 1));
     block.warp_slots[tid].store(v.to_bits(), Ordering::SeqCst);
-    block.warp_barriers[warp].wait(&block, "warp shuffle");
+    block.warp_barriers[warp].wait(&cluster, block.idx, "warp shuffle");
     let out = block.warp_slots[warp * WARP + partner].load(Ordering::SeqCst);
-    block.warp_barriers[warp].wait(&block, "warp shuffle");
+    block.warp_barriers[warp].wait(&cluster, block.idx, "warp shuffle");
     f32::from_bits(out)
 }
 
@@ -177,22 +209,37 @@ impl SharedF32 {
     /// # Safety
     /// Safe in the emulator (bounds-checked); unsafe for symmetry with the GPU.
     pub unsafe fn load(self, i: usize) -> f32 {
-        with_ctx(|c| match c.block.shared.get(i) {
-            Some(w) => f32::from_bits(w.load(Ordering::SeqCst)),
-            None => panic!(
-                "shared-memory load of word {i} beyond the launch's {} words",
-                c.block.shared.len()
-            ),
+        unsafe { self.load_from(cluster_rank(), i) }
+    }
+    /// Word `i` of the shared memory of block `rank` of this cluster.
+    ///
+    /// # Safety
+    /// Safe in the emulator (bounds-checked); unsafe for symmetry with the GPU.
+    pub unsafe fn load_from(self, rank: usize, i: usize) -> f32 {
+        with_ctx(|c| {
+            let Some(block) = c.cluster.blocks.get(rank) else {
+                panic!(
+                    "distributed shared-memory load from rank {rank} of a cluster of {}",
+                    c.cluster.blocks.len()
+                )
+            };
+            match block.shared.get(i) {
+                Some(w) => f32::from_bits(w.load(Ordering::SeqCst)),
+                None => panic!(
+                    "shared-memory load of word {i} beyond the launch's {} words",
+                    block.shared.len()
+                ),
+            }
         })
     }
     /// # Safety
     /// Safe in the emulator (bounds-checked); unsafe for symmetry with the GPU.
     pub unsafe fn store(self, i: usize, v: f32) {
-        with_ctx(|c| match c.block.shared.get(i) {
+        with_ctx(|c| match c.block().shared.get(i) {
             Some(w) => w.store(v.to_bits(), Ordering::SeqCst),
             None => panic!(
                 "shared-memory store to word {i} beyond the launch's {} words",
-                c.block.shared.len()
+                c.block().shared.len()
             ),
         })
     }
@@ -261,8 +308,8 @@ pub fn f32x2_to_f16x2(lo: f32, hi: f32) -> u32 {
     f32_to_f16(lo) as u32 | (f32_to_f16(hi) as u32) << 16
 }
 
-/// Marks the block poisoned if its thread unwinds, so the others stop waiting at once.
-struct PoisonOnPanic(Arc<Block>);
+/// Marks the cluster poisoned if its thread unwinds, so the others stop waiting at once.
+struct PoisonOnPanic(Arc<Cluster>);
 
 impl Drop for PoisonOnPanic {
     fn drop(&mut self) {
@@ -272,12 +319,17 @@ impl Drop for PoisonOnPanic {
     }
 }
 
-/// Runs `body` as kernel `kernel` over `grid` blocks of `block` threads with `shared_bytes` of
-/// dynamic shared memory. Blocks run one after another; the threads of a block run concurrently.
+/// Most blocks in a cluster: the portable limit of sm_90.
+pub const MAX_CLUSTER: usize = 8;
+
+/// Runs `body` as kernel `kernel` over `grid` blocks of `block` threads, in clusters of `cluster`
+/// blocks, with `shared_bytes` of dynamic shared memory per block. Clusters run one after another;
+/// the threads of a cluster run concurrently.
 pub fn launch(
     kernel: &str,
     grid: usize,
     block: usize,
+    cluster: usize,
     shared_bytes: usize,
     body: &(dyn Fn() + Sync),
 ) -> Result<(), EmuError> {
@@ -285,36 +337,57 @@ pub fn launch(
         kernel: kernel.to_string(),
         message,
     };
-    if grid == 0 || block == 0 || block > 1024 {
+    if grid == 0
+        || block == 0
+        || block > 1024
+        || !(1..=MAX_CLUSTER).contains(&cluster)
+        || !grid.is_multiple_of(cluster)
+    {
         return Err(fail(std::format!(
-            "invalid launch shape: grid {grid}, block {block}"
+            "invalid launch shape: grid {grid}, block {block}, cluster {cluster}"
         )));
     }
-    for idx in 0..grid {
+    let count = grid / cluster;
+    for idx in 0..count {
         let warps = block.div_ceil(WARP);
-        let shared = Arc::new(Block {
+        let blocks = (0..cluster)
+            .map(|rank| Block {
+                idx: idx * cluster + rank,
+                dim: block,
+                grid,
+                barrier: Barrier::new(block),
+                // A partial last warp still expects 32 lanes: a full-mask shuffle there is misuse.
+                warp_barriers: (0..warps).map(|_| Barrier::new(WARP)).collect(),
+                warp_slots: (0..warps * WARP).map(|_| AtomicU32::new(0)).collect(),
+                shared: (0..shared_bytes.div_ceil(4))
+                    .map(|_| AtomicU32::new(0x7fc0_dead))
+                    .collect(),
+            })
+            .collect();
+        let shared = Arc::new(Cluster {
             idx,
-            dim: block,
-            grid,
-            barrier: Barrier::new(block),
-            // A partial last warp still expects 32 lanes: a full-mask shuffle there is misuse.
-            warp_barriers: (0..warps).map(|_| Barrier::new(WARP)).collect(),
-            warp_slots: (0..warps * WARP).map(|_| AtomicU32::new(0)).collect(),
-            shared: (0..shared_bytes.div_ceil(4))
-                .map(|_| AtomicU32::new(0x7fc0_dead))
-                .collect(),
+            count,
+            blocks,
+            barrier: Barrier::new(cluster * block),
             poisoned: AtomicBool::new(false),
         });
         let mut first_panic: Option<String> = None;
         std::thread::scope(|s| {
-            let handles: Vec<_> = (0..block)
-                .map(|tid| {
+            let handles: Vec<_> = (0..cluster * block)
+                .map(|t| {
                     let shared = shared.clone();
+                    let (rank, tid) = (t / block, t % block);
                     std::thread::Builder::new()
                         .stack_size(256 * 1024)
                         .spawn_scoped(s, move || {
                             let _guard = PoisonOnPanic(shared.clone());
-                            CTX.with(|c| *c.borrow_mut() = Some(ThreadCtx { tid, block: shared }));
+                            CTX.with(|c| {
+                                *c.borrow_mut() = Some(ThreadCtx {
+                                    tid,
+                                    rank,
+                                    cluster: shared,
+                                })
+                            });
                             body();
                             CTX.with(|c| *c.borrow_mut() = None);
                         })
@@ -339,7 +412,7 @@ pub fn launch(
             }
         });
         if let Some(msg) = first_panic {
-            return Err(fail(std::format!("block {idx}: {msg}")));
+            return Err(fail(std::format!("cluster {idx}: {msg}")));
         }
     }
     Ok(())

@@ -26,6 +26,73 @@ pub fn grid_dim() -> usize {
     unsafe { nvptx::_grid_dim_x() as usize }
 }
 
+/// Reads a 32-bit special register (`%cluster_ctarank` and the like).
+#[cfg(target_feature = "sm_90")]
+macro_rules! special_register {
+    ($reg:literal) => {{
+        let r: u32;
+        unsafe {
+            asm!(concat!("mov.u32 {r}, ", $reg, ";"), r = out(reg32) r,
+                 options(pure, nomem, nostack, preserves_flags));
+        }
+        r as usize
+    }};
+}
+
+// Thread-block clusters (sm_90): the blocks of a cluster run at once on one GPC and can read each
+// other's shared memory. A block launched without a cluster is a cluster of one. The sm_80 build has
+// no clusters, so there every block is its own cluster and these fall back to the block's values.
+
+/// This block's rank in its cluster (`%cluster_ctarank`).
+#[inline(always)]
+pub fn cluster_rank() -> usize {
+    #[cfg(target_feature = "sm_90")]
+    return special_register!("%cluster_ctarank");
+    #[cfg(not(target_feature = "sm_90"))]
+    return 0;
+}
+/// Blocks in this block's cluster (`%cluster_nctarank`).
+#[inline(always)]
+pub fn cluster_size() -> usize {
+    #[cfg(target_feature = "sm_90")]
+    return special_register!("%cluster_nctarank");
+    #[cfg(not(target_feature = "sm_90"))]
+    return 1;
+}
+/// This cluster's index in the grid (`%clusterid.x`).
+#[inline(always)]
+pub fn cluster_idx() -> usize {
+    #[cfg(target_feature = "sm_90")]
+    return special_register!("%clusterid.x");
+    #[cfg(not(target_feature = "sm_90"))]
+    return block_idx();
+}
+/// Clusters in the grid (`%nclusterid.x`).
+#[inline(always)]
+pub fn cluster_count() -> usize {
+    #[cfg(target_feature = "sm_90")]
+    return special_register!("%nclusterid.x");
+    #[cfg(not(target_feature = "sm_90"))]
+    return grid_dim();
+}
+
+/// `barrier.cluster.arrive` + `barrier.cluster.wait` (release and acquire by default): every thread of every
+/// block of the cluster must reach it; shared-memory stores before it are visible to every block
+/// of the cluster after it. A block barrier on sm_80.
+#[inline(always)]
+pub fn sync_cluster() {
+    #[cfg(target_feature = "sm_90")]
+    unsafe {
+        asm!(
+            "barrier.cluster.arrive;",
+            "barrier.cluster.wait;",
+            options(nostack, preserves_flags)
+        );
+    }
+    #[cfg(not(target_feature = "sm_90"))]
+    sync_threads();
+}
+
 /// `bar.sync 0`: every thread of the block must reach it.
 #[inline(always)]
 pub fn sync_threads() {
@@ -74,6 +141,38 @@ impl SharedF32 {
     #[inline(always)]
     pub unsafe fn store(self, i: usize, v: f32) {
         unsafe { self.0.add(i).write_volatile(v) }
+    }
+    /// Word `i` of the shared memory of block `rank` of this cluster (distributed shared memory:
+    /// `mapa` maps the address into that block's window, a generic load reads it).
+    ///
+    /// # Safety
+    /// `i` lies inside the launch's dynamic shared memory; `rank` is below [`cluster_size`]; that
+    /// block has not exited (a cluster barrier orders the two).
+    #[inline(always)]
+    pub unsafe fn load_from(self, rank: usize, i: usize) -> f32 {
+        #[cfg(target_feature = "sm_90")]
+        {
+            let v: u32;
+            unsafe {
+                asm!(
+                    "{{",
+                    ".reg .u64 remote;",
+                    "mapa.u64 remote, {p}, {rank};",
+                    "ld.f32 {v}, [remote];",
+                    "}}",
+                    p = in(reg64) self.0.add(i),
+                    rank = in(reg32) rank as u32,
+                    v = out(reg32) v,
+                    options(nostack, preserves_flags)
+                );
+            }
+            f32::from_bits(v)
+        }
+        #[cfg(not(target_feature = "sm_90"))]
+        {
+            let _ = rank;
+            unsafe { self.load(i) }
+        }
     }
 }
 

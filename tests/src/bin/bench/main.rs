@@ -1,6 +1,6 @@
 //! normkern's benchmark: every op against the device's copy bandwidth, measured in the same run.
 //!
-//! `cargo xtask bench [--reps N] [--warmup N] [--quick]`, or `./bench` in a bundle. Times are medians of CUDA
+//! `cargo xtask bench [--reps N] [--warmup N] [--quick] [--shapes RxD,...]`, or `./bench` in a bundle. Times are medians of CUDA
 //! event timings after warm-up; inputs rotate over enough sets to exceed L2; bytes count the
 //! minimal traffic (each input read once, each output written once).
 
@@ -24,6 +24,8 @@ pub struct Settings {
     pub reps: usize,
     pub warmup: usize,
     pub quick: bool,
+    /// `--shapes 1024x65536,4096x16384`: only these norm shapes (and no activations).
+    pub shapes: Option<Vec<(usize, usize)>>,
 }
 
 fn main() {
@@ -38,6 +40,18 @@ fn main() {
         reps: value("--reps").unwrap_or(200),
         warmup: 20,
         quick: args.iter().any(|a| a == "--quick"),
+        shapes: args
+            .iter()
+            .position(|a| a == "--shapes")
+            .and_then(|i| args.get(i + 1))
+            .map(|list| {
+                list.split(',')
+                    .filter_map(|s| {
+                        let (r, d) = s.split_once('x')?;
+                        Some((r.parse().ok()?, d.parse().ok()?))
+                    })
+                    .collect()
+            }),
     };
     let ctx = match Context::new(0) {
         Ok(ctx) => ctx,
@@ -51,7 +65,9 @@ fn main() {
     let copy = copy_bandwidth(ctx.cuda(), &stream, 50);
     let mut results = Vec::new();
     results.extend(norm::run(&ctx, &stream, &settings));
-    results.extend(activation::run(&ctx, &stream, &settings));
+    if settings.shapes.is_none() {
+        results.extend(activation::run(&ctx, &stream, &settings));
+    }
     println!();
     println!(
         "device: {name}, {} SMs, PTX sm_{}",

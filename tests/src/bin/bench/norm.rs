@@ -24,7 +24,9 @@ struct Set {
 }
 
 pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measurement> {
-    let shapes: &[(usize, usize)] = if s.quick {
+    let shapes: &[(usize, usize)] = if let Some(shapes) = &s.shapes {
+        shapes
+    } else if s.quick {
         &[(16384, 4096)]
     } else {
         &[
