@@ -233,7 +233,12 @@ impl Executor for Gpu<'_> {
     }
 
     fn max_cluster(&self) -> usize {
+        // The portable limit of sm_90; its PTX has the cluster instances.
         if self.ctx.ptx_arch >= 90 { 8 } else { 1 }
+    }
+
+    fn sm_count(&self) -> usize {
+        self.ctx.sm_count
     }
 
     fn grid_limit(&self) -> Option<usize> {

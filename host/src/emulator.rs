@@ -56,7 +56,7 @@ impl Emulator {
     /// Caps every block at `threads` threads (a multiple of 32, at most 1024), as a kernel's
     /// registers cap it on a GPU: narrow rows then take the tiles that wide rows take there.
     pub fn with_block_limit(mut self, threads: usize) -> Result<Self> {
-        if threads == 0 || threads > 1024 || !threads.is_multiple_of(32) {
+        if threads == 0 || threads > 1024 || threads % 32 != 0 {
             return Err(Error::Emulator(format!(
                 "a block limit of {threads} threads: a multiple of 32 up to 1024 is required"
             )));
@@ -82,6 +82,10 @@ impl Executor for Emulator {
 
     fn max_cluster(&self) -> usize {
         self.max_cluster
+    }
+
+    fn sm_count(&self) -> usize {
+        EMULATED_RESIDENT_BLOCKS
     }
 
     fn resident_blocks(

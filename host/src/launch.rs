@@ -58,6 +58,8 @@ pub(crate) trait Executor {
     /// The most blocks a cluster may have on this device: 8 on sm_90 and newer, 1 (no clusters)
     /// before.
     fn max_cluster(&self) -> usize;
+    /// Streaming multiprocessors (the emulator: the blocks it pretends are resident).
+    fn sm_count(&self) -> usize;
     /// An upper bound on the grid set by the user (tests use it to prove grid invariance).
     fn grid_limit(&self) -> Option<usize>;
     /// Enqueues (GPU) or runs (emulator) one launch.
@@ -114,10 +116,17 @@ const STREAM_THREADS: usize = 1024;
 
 /// Picks the tile for a row of `d` elements read `len` at a time, among register tiles when
 /// `registers` (the family has them for this access) or else streaming. In order: one block of up
-/// to [`PREFERRED_THREADS`]; one block of up to the kernel's limit; a cluster of blocks (up to
-/// `max_cluster`), each of up to [`PREFERRED_THREADS`], then up to the limit; else streaming, by
-/// a cluster of `max_cluster` blocks. The choice depends on the shape, the device's cluster
-/// support and the kernel's register limit only, never on the grid, so reductions keep their order.
+/// to [`PREFERRED_THREADS`]; one block of up to the kernel's limit; the smallest cluster (up to
+/// `max_cluster` blocks) whose blocks need at most [`PREFERRED_THREADS`] (fewest accesses per
+/// thread first), then at most the kernel's limit; else streaming, by a cluster of `max_cluster`
+/// blocks. `max_threads` takes the tile and whether it is a cluster instance. The choice depends
+/// on the shape, the device and the kernels' register counts only, never on the grid, so
+/// reductions keep their order.
+///
+/// H200, bf16 backward (`bench-results/h200.md`): 4096×16384 takes 4 packs × 256 threads over
+/// clusters of 2 (RMSNorm 55.8 %, LayerNorm 41.2 % of copy; streaming 40.3 / 27.8 %), 1024×65536
+/// 4 × 256 over 8 (42.8 / 31.2 %; streaming 24.2 / 16.5 %). Tiles with more resident warps (1 or
+/// 2 packs per thread, clusters of 16) measured slower there.
 pub(crate) fn row_tile(
     d: usize,
     len: usize,
@@ -125,9 +134,6 @@ pub(crate) fn row_tile(
     max_cluster: usize,
     max_threads: impl Fn(usize, bool) -> Result<usize>,
 ) -> Result<RowTile> {
-    if let Some(tile) = tile_override() {
-        return Ok(tile);
-    }
     let accesses = d.div_ceil(len);
     let threads_for = |vpt: usize, cluster: usize| {
         accesses
@@ -137,6 +143,7 @@ pub(crate) fn row_tile(
     };
     let register_tiles: &[usize] = if registers { &[1, 2, 4] } else { &[] };
     let clusters = CLUSTER_SIZES.iter().copied().filter(|&c| c <= max_cluster);
+    // (vpt, cluster, within the preferred size), in order of preference.
     let mut candidates: Vec<(usize, usize, bool)> = Vec::new();
     candidates.extend(register_tiles.iter().map(|&vpt| (vpt, 1, true)));
     candidates.extend(register_tiles.iter().skip(1).map(|&vpt| (vpt, 1, false)));
@@ -168,17 +175,6 @@ pub(crate) fn row_tile(
         vpt: STREAM,
         threads,
         cluster,
-    })
-}
-
-/// Tuning aid, not API: `NORMKERN_ROW_TILE=vpt,threads,cluster` forces the row tile.
-fn tile_override() -> Option<RowTile> {
-    let v = std::env::var("NORMKERN_ROW_TILE").ok()?;
-    let mut it = v.split(',').map(|x| x.trim().parse::<usize>().ok());
-    Some(RowTile {
-        vpt: it.next()??,
-        threads: it.next()??,
-        cluster: it.next()??,
     })
 }
 
@@ -240,4 +236,58 @@ pub(crate) fn check_eps(eps: f32) -> Result<()> {
         return Err(Error::Eps(eps));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tile for `d` elements of `len` per access on a device whose kernels take
+    /// `regs(vpt, cluster)` registers per thread (64K per SM, 1024 threads per block at most).
+    fn pick(d: usize, len: usize, max_cluster: usize, regs: fn(usize, bool) -> usize) -> RowTile {
+        let max_threads = |vpt, cluster| Ok((65536 / regs(vpt, cluster)).min(1024) / 32 * 32);
+        row_tile(d, len, true, max_cluster, max_threads).unwrap()
+    }
+
+    /// Register counts of the bf16 backward instances (ptxas, sm_90).
+    fn backward_regs(vpt: usize, cluster: bool) -> usize {
+        match (vpt, cluster) {
+            (1, _) => 80,
+            (2, _) => 128,
+            (4, _) => 241,
+            _ => 80,
+        }
+    }
+
+    fn tile(vpt: usize, threads: usize, cluster: usize) -> RowTile {
+        RowTile {
+            vpt,
+            threads,
+            cluster,
+        }
+    }
+
+    #[test]
+    fn rows_that_fit_a_block_take_one_block() {
+        assert_eq!(pick(4096, 8, 8, backward_regs), tile(2, 256, 1));
+        assert_eq!(pick(1000, 1, 8, backward_regs), tile(4, 256, 1));
+        assert_eq!(pick(7, 8, 8, backward_regs), tile(1, 32, 1));
+        // 8192 bf16: 4 packs × 256 threads still fit one block.
+        assert_eq!(pick(8192, 8, 8, backward_regs), tile(4, 256, 1));
+    }
+
+    #[test]
+    fn wider_rows_take_the_smallest_cluster_of_preferred_blocks() {
+        assert_eq!(pick(16384, 8, 8, backward_regs), tile(4, 256, 2));
+        assert_eq!(pick(65536, 8, 8, backward_regs), tile(4, 256, 8));
+        // 73728 bf16 would need 288 threads of 4 packs in each of 8 blocks, past the 4-pack
+        // tile's register limit (256): it streams.
+        assert_eq!(pick(73728, 8, 8, backward_regs), tile(STREAM, 800, 8));
+    }
+
+    #[test]
+    fn without_clusters_or_past_them_rows_stream() {
+        assert_eq!(pick(16384, 8, 1, backward_regs), tile(STREAM, 800, 1));
+        assert_eq!(pick(1 << 20, 8, 8, backward_regs), tile(STREAM, 800, 8));
+    }
 }

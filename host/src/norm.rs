@@ -225,9 +225,24 @@ impl Forward {
             residual_f32: res.is_some_and(|r| r.input_f32) as u32,
             residual_out_f32: res.is_some_and(|r| r.output_f32) as u32,
         };
-        launch_rows(exec, dtype, vec, res.is_some(), d, rows, |variant| {
-            Kernel::NormForward(self.norm, variant, params)
-        })
+        // Forward rows are independent: with a row per SM or more, a block per row streaming
+        // from L2 outruns a cluster per row (1024×65536 bf16 on the H200: RMSNorm 61.5 %,
+        // LayerNorm 46.8 % of copy, against 52 and 21–26 % for 4 packs × 256 threads × 8).
+        let clusters = if rows < exec.sm_count() {
+            exec.max_cluster()
+        } else {
+            1
+        };
+        launch_rows(
+            exec,
+            dtype,
+            vec,
+            res.is_some(),
+            clusters,
+            d,
+            rows,
+            |variant| Kernel::NormForward(self.norm, variant, params),
+        )
     }
 }
 
@@ -277,7 +292,10 @@ impl Backward {
                 dresidual_stride: self.dresidual.1 as u64,
             };
             let residual = params.residual_family();
-            launch_rows(exec, dtype, vec, residual, d, groups, |variant| {
+            // The backward's parallelism is its dγ groups (at most 512, 64 at 1024 rows), and its
+            // streaming instance re-reads the partial rows: clusters whenever a row needs them.
+            let clusters = exec.max_cluster();
+            launch_rows(exec, dtype, vec, residual, clusters, d, groups, |variant| {
                 Kernel::NormBackward(self.norm, variant, params)
             })?;
         }
@@ -296,13 +314,16 @@ impl Backward {
     }
 }
 
-/// Picks the row tile for a row kernel (its register limit and the device's clusters included)
-/// and launches a persistent grid over `work` items (rows, or groups of rows).
+/// Picks the row tile for a row kernel (its register limit included; rows split over clusters
+/// of up to `max_cluster` blocks) and launches a persistent grid over `work` items (rows, or
+/// groups of rows).
+#[allow(clippy::too_many_arguments)]
 fn launch_rows(
     exec: &dyn Executor,
     dtype: KernelDtype,
     vec: bool,
     residual: bool,
+    max_cluster: usize,
     d: usize,
     work: usize,
     kernel: impl Fn(Variant) -> Kernel,
@@ -316,7 +337,7 @@ fn launch_rows(
     let len = if vec { 16 / dtype.bytes() } else { 1 };
     let registers = vec || !Norm::scalar_streams(residual);
     // Cluster instances exist for packed access only.
-    let max_cluster = if vec { exec.max_cluster() } else { 1 };
+    let max_cluster = if vec { max_cluster } else { 1 };
     let tile = row_tile(d, len, registers, max_cluster, |vpt, cluster| {
         exec.max_threads(&kernel(variant(vpt, cluster)))
     })?;
