@@ -124,8 +124,8 @@ const STREAM_THREADS: usize = 1024;
 /// reductions keep their order.
 ///
 /// H200, bf16 backward (`bench-results/h200.md`): 4096×16384 takes 4 packs × 256 threads over
-/// clusters of 2 (RMSNorm 55.8 %, LayerNorm 41.2 % of copy; streaming 40.3 / 27.8 %), 1024×65536
-/// 4 × 256 over 8 (42.8 / 31.2 %; streaming 24.2 / 16.5 %). Tiles with more resident warps (1 or
+/// clusters of 2 (RMSNorm 56.4 %, LayerNorm 41.8 % of copy; streaming 40.3 / 27.8 %), 1024×65536
+/// 4 × 256 over 8 (42.9 / 31.1 %; streaming 24.2 / 16.5 %). Tiles with more resident warps (1 or
 /// 2 packs per thread, clusters of 16) measured slower there.
 pub(crate) fn row_tile(
     d: usize,

@@ -227,7 +227,7 @@ impl Forward {
         };
         // Forward rows are independent: with a row per SM or more, a block per row streaming
         // from L2 outruns a cluster per row (1024×65536 bf16 on the H200: RMSNorm 61.5 %,
-        // LayerNorm 46.8 % of copy, against 52 and 21–26 % for 4 packs × 256 threads × 8).
+        // LayerNorm 46.8 % of copy, against 52 and 21 % for 4 packs × 256 threads × 8).
         let clusters = if rows < exec.sm_count() {
             exec.max_cluster()
         } else {

@@ -21,10 +21,13 @@
 //! the row comes from is a type parameter of the bodies (`RowSource`), so their instances do the
 //! same work as before.
 //!
-//! One block, or on sm_90 one cluster of blocks ([`Team`]), works on one row at a time. Register tiles (`VPT` = 1, 2, 4 accesses per thread)
+//! One block works on one row at a time. Register tiles (`VPT` = 1, 2, 4 accesses per thread)
 //! load the whole row once and keep it on chip: 16-byte packs give every thread `VPT·16` bytes in
-//! flight per operand. Rows too wide for registers use the streaming instance (`VPT` = 0), which
-//! reads the row more than once — the later reads mostly hit L2.
+//! flight per operand. Rows too wide for one block's registers are split over a cluster of blocks
+//! (sm_90; the `CLUSTER` instances, [`Team`]): each block holds its share of the row and
+//! [`RowReducer`] adds the blocks' partial sums through distributed shared memory. Rows wider
+//! still, or any too wide for a block before sm_90, use the streaming instance (`VPT` = 0), which
+//! reads the row more than once (the later reads mostly hit L2), over a cluster where there is one.
 
 use crate::arch;
 use crate::element::{Access, Element, MixedRows, Pack, Wide, load_f32s, row_addr, store_f32s};
@@ -987,7 +990,8 @@ unsafe fn backward_stream<
 
 /// RMSNorm and LayerNorm instances of the shared bodies, as the export and select macros want them.
 macro_rules! norm_instances {
-    ($($name:ident => $body:ident::<$centered:literal, $residual:literal, $cluster:literal>($params:ty);)*) => {$(
+    ($($(#[$attr:meta])* $name:ident => $body:ident::<$centered:literal, $residual:literal, $cluster:literal>($params:ty);)*) => {$(
+        $(#[$attr])*
         #[inline(always)]
         unsafe fn $name<T: Element, const VEC: bool, const VPT: usize>(p: &$params) {
             unsafe { $body::<T, VEC, VPT, $centered, $residual, $cluster>(p) }
@@ -1003,13 +1007,21 @@ norm_instances! {
     rms_backward_res => backward::<false, true, false>(BackwardParams);
     layer_forward_res => forward::<true, true, false>(ForwardParams);
     layer_backward_res => backward::<true, true, false>(BackwardParams);
+    #[cfg_attr(all(target_arch = "nvptx64", not(target_feature = "sm_90")), allow(dead_code))]
     rms_forward_cluster => forward::<false, false, true>(ForwardParams);
+    #[cfg_attr(all(target_arch = "nvptx64", not(target_feature = "sm_90")), allow(dead_code))]
     rms_backward_cluster => backward::<false, false, true>(BackwardParams);
+    #[cfg_attr(all(target_arch = "nvptx64", not(target_feature = "sm_90")), allow(dead_code))]
     layer_forward_cluster => forward::<true, false, true>(ForwardParams);
+    #[cfg_attr(all(target_arch = "nvptx64", not(target_feature = "sm_90")), allow(dead_code))]
     layer_backward_cluster => backward::<true, false, true>(BackwardParams);
+    #[cfg_attr(all(target_arch = "nvptx64", not(target_feature = "sm_90")), allow(dead_code))]
     rms_forward_res_cluster => forward::<false, true, true>(ForwardParams);
+    #[cfg_attr(all(target_arch = "nvptx64", not(target_feature = "sm_90")), allow(dead_code))]
     rms_backward_res_cluster => backward::<false, true, true>(BackwardParams);
+    #[cfg_attr(all(target_arch = "nvptx64", not(target_feature = "sm_90")), allow(dead_code))]
     layer_forward_res_cluster => forward::<true, true, true>(ForwardParams);
+    #[cfg_attr(all(target_arch = "nvptx64", not(target_feature = "sm_90")), allow(dead_code))]
     layer_backward_res_cluster => backward::<true, true, true>(BackwardParams);
 }
 
