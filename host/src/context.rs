@@ -134,7 +134,8 @@ impl Context {
     }
 
     /// Caps every persistent grid at `blocks` blocks (default: as many as the device keeps
-    /// resident). Results do not depend on it; tests use it to prove that.
+    /// resident); a grid of clusters keeps at least one whole cluster (up to 8 blocks). Results
+    /// do not depend on it; tests use it to prove that.
     pub fn with_grid_limit(mut self, blocks: usize) -> Result<Self> {
         if blocks == 0 {
             return Err(Error::ZeroGrid);
