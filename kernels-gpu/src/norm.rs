@@ -988,115 +988,42 @@ unsafe fn backward_stream<
     }
 }
 
-/// RMSNorm and LayerNorm instances of the shared bodies, as the export and select macros want them.
-macro_rules! norm_instances {
-    ($($(#[$attr:meta])* $name:ident => $body:ident::<$centered:literal, $residual:literal, $cluster:literal>($params:ty);)*) => {$(
-        $(#[$attr])*
+/// The kernel families: for each, the block instance and the cluster instance of a shared body
+/// (as the export and select macros want them), exported under the family's prefix. With
+/// `scalar_streams`, single-element access gets only the streaming block instance; the cluster
+/// instances are for packed access and exist in the sm_90 build only.
+macro_rules! norm_families {
+    ($($family:literal: $name:ident, $cluster:ident
+        => $body:ident::<$centered:literal, $residual:literal>($params:ty) $(, $mode:ident)?;)*) => {$(
         #[inline(always)]
         unsafe fn $name<T: Element, const VEC: bool, const VPT: usize>(p: &$params) {
-            unsafe { $body::<T, VEC, VPT, $centered, $residual, $cluster>(p) }
+            unsafe { $body::<T, VEC, VPT, $centered, $residual, false>(p) }
         }
+        // The sm_80 build compiles it for nothing: only the sm_90 build exports it.
+        #[cfg_attr(all(target_arch = "nvptx64", not(target_feature = "sm_90")), allow(dead_code))]
+        #[inline(always)]
+        unsafe fn $cluster<T: Element, const VEC: bool, const VPT: usize>(p: &$params) {
+            unsafe { $body::<T, VEC, VPT, $centered, $residual, true>(p) }
+        }
+        export_family!($family, $params, $name $(, $mode)?);
+        export_family!($family, $params, $cluster, cluster);
     )*};
 }
-norm_instances! {
-    rms_forward => forward::<false, false, false>(ForwardParams);
-    rms_backward => backward::<false, false, false>(BackwardParams);
-    layer_forward => forward::<true, false, false>(ForwardParams);
-    layer_backward => backward::<true, false, false>(BackwardParams);
-    rms_forward_res => forward::<false, true, false>(ForwardParams);
-    rms_backward_res => backward::<false, true, false>(BackwardParams);
-    layer_forward_res => forward::<true, true, false>(ForwardParams);
-    layer_backward_res => backward::<true, true, false>(BackwardParams);
-    #[cfg_attr(all(target_arch = "nvptx64", not(target_feature = "sm_90")), allow(dead_code))]
-    rms_forward_cluster => forward::<false, false, true>(ForwardParams);
-    #[cfg_attr(all(target_arch = "nvptx64", not(target_feature = "sm_90")), allow(dead_code))]
-    rms_backward_cluster => backward::<false, false, true>(BackwardParams);
-    #[cfg_attr(all(target_arch = "nvptx64", not(target_feature = "sm_90")), allow(dead_code))]
-    layer_forward_cluster => forward::<true, false, true>(ForwardParams);
-    #[cfg_attr(all(target_arch = "nvptx64", not(target_feature = "sm_90")), allow(dead_code))]
-    layer_backward_cluster => backward::<true, false, true>(BackwardParams);
-    #[cfg_attr(all(target_arch = "nvptx64", not(target_feature = "sm_90")), allow(dead_code))]
-    rms_forward_res_cluster => forward::<false, true, true>(ForwardParams);
-    #[cfg_attr(all(target_arch = "nvptx64", not(target_feature = "sm_90")), allow(dead_code))]
-    rms_backward_res_cluster => backward::<false, true, true>(BackwardParams);
-    #[cfg_attr(all(target_arch = "nvptx64", not(target_feature = "sm_90")), allow(dead_code))]
-    layer_forward_res_cluster => forward::<true, true, true>(ForwardParams);
-    #[cfg_attr(all(target_arch = "nvptx64", not(target_feature = "sm_90")), allow(dead_code))]
-    layer_backward_res_cluster => backward::<true, true, true>(BackwardParams);
+norm_families! {
+    "rms_norm_fwd": rms_forward, rms_forward_cluster => forward::<false, false>(ForwardParams);
+    "rms_norm_bwd": rms_backward, rms_backward_cluster => backward::<false, false>(BackwardParams);
+    "layer_norm_fwd": layer_forward, layer_forward_cluster => forward::<true, false>(ForwardParams);
+    "layer_norm_bwd": layer_backward, layer_backward_cluster
+        => backward::<true, false>(BackwardParams);
+    "rms_norm_fwd_res": rms_forward_res, rms_forward_res_cluster
+        => forward::<false, true>(ForwardParams), scalar_streams;
+    "rms_norm_bwd_res": rms_backward_res, rms_backward_res_cluster
+        => backward::<false, true>(BackwardParams), scalar_streams;
+    "layer_norm_fwd_res": layer_forward_res, layer_forward_res_cluster
+        => forward::<true, true>(ForwardParams), scalar_streams;
+    "layer_norm_bwd_res": layer_backward_res, layer_backward_res_cluster
+        => backward::<true, true>(BackwardParams), scalar_streams;
 }
-
-export_family!("rms_norm_fwd", ForwardParams, rms_forward);
-export_family!("rms_norm_bwd", BackwardParams, rms_backward);
-export_family!("layer_norm_fwd", ForwardParams, layer_forward);
-export_family!("layer_norm_bwd", BackwardParams, layer_backward);
-export_family!(
-    "rms_norm_fwd_res",
-    ForwardParams,
-    rms_forward_res,
-    scalar_streams
-);
-export_family!(
-    "rms_norm_bwd_res",
-    BackwardParams,
-    rms_backward_res,
-    scalar_streams
-);
-export_family!(
-    "layer_norm_fwd_res",
-    ForwardParams,
-    layer_forward_res,
-    scalar_streams
-);
-export_family!(
-    "layer_norm_bwd_res",
-    BackwardParams,
-    layer_backward_res,
-    scalar_streams
-);
-// The cluster instances (sm_90 only): packed access, every tile.
-export_family!("rms_norm_fwd", ForwardParams, rms_forward_cluster, cluster);
-export_family!(
-    "rms_norm_bwd",
-    BackwardParams,
-    rms_backward_cluster,
-    cluster
-);
-export_family!(
-    "layer_norm_fwd",
-    ForwardParams,
-    layer_forward_cluster,
-    cluster
-);
-export_family!(
-    "layer_norm_bwd",
-    BackwardParams,
-    layer_backward_cluster,
-    cluster
-);
-export_family!(
-    "rms_norm_fwd_res",
-    ForwardParams,
-    rms_forward_res_cluster,
-    cluster
-);
-export_family!(
-    "rms_norm_bwd_res",
-    BackwardParams,
-    rms_backward_res_cluster,
-    cluster
-);
-export_family!(
-    "layer_norm_fwd_res",
-    ForwardParams,
-    layer_forward_res_cluster,
-    cluster
-);
-export_family!(
-    "layer_norm_bwd_res",
-    BackwardParams,
-    layer_backward_res_cluster,
-    cluster
-);
 
 /// Which norm: the `CENTERED` parameter of the shared bodies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
