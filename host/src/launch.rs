@@ -142,17 +142,18 @@ pub(crate) fn row_tile(
             .max(32)
     };
     let register_tiles: &[usize] = if registers { &[1, 2, 4] } else { &[] };
-    let clusters = CLUSTER_SIZES.iter().copied().filter(|&c| c <= max_cluster);
+    let clusters = CLUSTER_SIZES.into_iter().filter(|&c| c <= max_cluster);
     // (vpt, cluster, within the preferred size), in order of preference.
-    let mut candidates: Vec<(usize, usize, bool)> = Vec::new();
-    candidates.extend(register_tiles.iter().map(|&vpt| (vpt, 1, true)));
-    candidates.extend(register_tiles.iter().skip(1).map(|&vpt| (vpt, 1, false)));
-    for preferred in [true, false] {
-        for cluster in clusters.clone() {
-            candidates.extend(register_tiles.iter().map(|&vpt| (vpt, cluster, preferred)));
-        }
-    }
-    for (vpt, cluster, preferred) in candidates {
+    let one_block = (register_tiles.iter().map(|&vpt| (vpt, 1, true)))
+        .chain(register_tiles.iter().skip(1).map(|&vpt| (vpt, 1, false)));
+    let clustered = [true, false].into_iter().flat_map(|preferred| {
+        (clusters.clone()).flat_map(move |cluster| {
+            register_tiles
+                .iter()
+                .map(move |&vpt| (vpt, cluster, preferred))
+        })
+    });
+    for (vpt, cluster, preferred) in one_block.chain(clustered) {
         let threads = threads_for(vpt, cluster);
         let max = max_threads(vpt, cluster > 1)?.min(1024);
         let limit = if preferred {
@@ -179,7 +180,8 @@ pub(crate) fn row_tile(
 }
 
 /// Whether 16-byte packs of `16 / elem_bytes` elements can serve every operand: each base address
-/// 16-byte aligned, every stride and `d` a multiple of the pack.
+/// 16-byte aligned, every stride and `d` a multiple of the pack. An absent operand may be passed
+/// as address and stride 0.
 pub(crate) fn packs_fit(elem_bytes: usize, d: usize, addrs: &[u64], strides: &[usize]) -> bool {
     let len = 16 / elem_bytes;
     d % len == 0 && addrs.iter().all(|a| a % 16 == 0) && strides.iter().all(|s| s % len == 0)

@@ -191,18 +191,18 @@ impl Forward {
         if rows == 0 {
             return Ok(());
         }
-        let mut addrs = vec![self.x.0, self.y.0, self.gamma];
-        addrs.extend((self.beta != 0).then_some(self.beta));
-        let mut strides = vec![self.x.1, self.y.1];
         let res = self.residual;
-        if let Some(r) = res {
-            addrs.extend([r.input.0, r.output.0]);
-            strides.extend([
-                stride_in_elems(r.input.1, r.input_f32, dtype.bytes()),
-                stride_in_elems(r.output.1, r.output_f32, dtype.bytes()),
-            ]);
-        }
-        let vec = packs_fit(dtype.bytes(), d, &addrs, &strides);
+        // Absent operands are 0, which fits packs.
+        let (r_in, r_out) = res.map_or(((0, 0), (0, 0)), |r| {
+            let elems = |(addr, stride), f32| (addr, stride_in_elems(stride, f32, dtype.bytes()));
+            (elems(r.input, r.input_f32), elems(r.output, r.output_f32))
+        });
+        let vec = packs_fit(
+            dtype.bytes(),
+            d,
+            &[self.x.0, self.y.0, self.gamma, self.beta, r_in.0, r_out.0],
+            &[self.x.1, self.y.1, r_in.1, r_out.1],
+        );
         let params = ForwardParams {
             x: self.x.0,
             y: self.y.0,
@@ -257,16 +257,28 @@ impl Backward {
             0
         };
         if rows > 0 {
-            // The workspace takes 16-byte stores on the packed path: it must be aligned like the rest.
-            let mut addrs = vec![self.dy.0, self.x.0, self.dx.0, self.gamma, self.workspace];
-            addrs.extend((dbeta_partials != 0).then_some(dbeta_partials));
-            let x_stride = stride_in_elems(self.x.1, self.x_f32, dtype.bytes());
-            let mut strides = vec![self.dy.1, x_stride, self.dx.1];
-            if self.dresidual.0 != 0 {
-                addrs.push(self.dresidual.0);
-                strides.push(stride_in_elems(self.dresidual.1, self.x_f32, dtype.bytes()));
-            }
-            let vec = packs_fit(dtype.bytes(), d, &addrs, &strides);
+            // The workspace takes 16-byte stores on the packed path: it must be aligned like the
+            // rest. Absent operands (dβ partials, dresidual) are 0, which fits packs.
+            let elems = |stride| stride_in_elems(stride, self.x_f32, dtype.bytes());
+            let vec = packs_fit(
+                dtype.bytes(),
+                d,
+                &[
+                    self.dy.0,
+                    self.x.0,
+                    self.dx.0,
+                    self.gamma,
+                    self.workspace,
+                    dbeta_partials,
+                    self.dresidual.0,
+                ],
+                &[
+                    self.dy.1,
+                    elems(self.x.1),
+                    self.dx.1,
+                    elems(self.dresidual.1),
+                ],
+            );
             let params = BackwardParams {
                 x: self.x.0,
                 dy: self.dy.0,
