@@ -502,7 +502,7 @@ unsafe fn forward_regs<
     src: S,
     team: Team,
 ) {
-    let mut reducer = RowReducer::new(team.cluster);
+    let mut reducer = unsafe { RowReducer::new(team.cluster) };
     let len = Access::<T, VEC>::LEN;
     let Team {
         tid,
@@ -585,7 +585,7 @@ unsafe fn forward_stream<
     src: S,
     team: Team,
 ) {
-    let mut reducer = RowReducer::new(team.cluster);
+    let mut reducer = unsafe { RowReducer::new(team.cluster) };
     let len = Access::<T, VEC>::LEN;
     let Team {
         tid,
@@ -746,7 +746,7 @@ unsafe fn backward_regs<
     src: S,
     team: Team,
 ) {
-    let mut reducer = RowReducer::new(team.cluster);
+    let mut reducer = unsafe { RowReducer::new(team.cluster) };
     let len = Access::<T, VEC>::LEN;
     let Team {
         tid,
@@ -894,7 +894,7 @@ unsafe fn backward_stream<
     src: S,
     team: Team,
 ) {
-    let mut reducer = RowReducer::new(team.cluster);
+    let mut reducer = unsafe { RowReducer::new(team.cluster) };
     let len = Access::<T, VEC>::LEN;
     let Team {
         tid,

@@ -5,7 +5,7 @@
 //! same bits (fp addition is commutative, so partners add the same two values), warps are combined
 //! in warp order, and the column sum walks groups in a fixed pattern. Nothing depends on timing.
 
-use crate::arch::{self, WARP};
+use crate::arch::{self, MAX_CLUSTER, WARP};
 use crate::element::{Access, Element, Pack};
 
 /// Sums of `N` values over the 32 lanes of a warp; every lane gets the totals.
@@ -29,30 +29,62 @@ pub fn warp_sum(v: f32) -> f32 {
 
 /// Most values one [`RowReducer::sums`] call reduces at once.
 pub const MAX_BLOCK_SUMS: usize = 2;
-/// Words of dynamic shared memory a [`RowReducer`] needs: two slots of one word per warp per value
-/// for the block's sum, then two slots of one word per value for the exchange between the blocks
-/// of a cluster.
-pub const ROW_REDUCER_SHARED_WORDS: usize = 2 * MAX_BLOCK_SUMS * WARP + 2 * MAX_BLOCK_SUMS;
+/// The block's slots: two of one word per warp per value.
+const BLOCK_SLOTS: usize = 0;
+/// The cluster's mailboxes: two slots, each of one word per block per value, written by the
+/// blocks of the cluster.
+const MAILBOXES: usize = BLOCK_SLOTS + 2 * MAX_BLOCK_SUMS * WARP;
+/// One mbarrier (two words, 8-byte aligned) per mailbox slot, counting the bytes that landed.
+const MAILBOX_BARRIERS: usize = MAILBOXES + 2 * MAX_CLUSTER * MAX_BLOCK_SUMS;
+/// Words of dynamic shared memory a [`RowReducer`] needs.
+pub const ROW_REDUCER_SHARED_WORDS: usize = MAILBOX_BARRIERS + 2 * 2;
 
 /// Sums over the threads that share one row: the block, or (sm_90) every block of the cluster.
 ///
 /// Within a block: one barrier per call. Successive calls alternate between two shared-memory
 /// slots: a warp can only store into a slot again after passing the barrier of the call in
 /// between, which every other warp reaches only after reading that slot, so no second barrier is
-/// needed. Across a cluster the same holds for the one word per value each block publishes: the
-/// cluster barrier of the call in between orders every remote read before the next store.
+/// needed.
+///
+/// Across a cluster, each block sends its totals into a mailbox in every block's shared memory
+/// (`st.async`) and waits on its own mailbox's mbarrier until all have landed. No cluster barrier:
+/// its release semantics would wait for every load and store in flight (the next row's prefetch,
+/// this row's stores) on every row. Mailboxes alternate between two slots like the block's: a
+/// block can only send into a slot again after the call in between, which needs this block's
+/// totals of that call, which it sends only after reading the slot.
 /// Every thread of every block of the cluster must make the same sequence of calls.
 pub struct RowReducer {
     slot: usize,
+    /// The parity of the mbarrier phase the next use of slot 0 (then of slot 1) completes.
+    phase: u32,
     cluster: bool,
 }
 
 impl RowReducer {
     /// A reducer over the block, or with `cluster` over every block of the cluster: a constant of
     /// the kernel instance, so a block-only instance carries no cluster code (nor its registers).
+    ///
+    /// # Safety
+    /// Every thread of the block (of the cluster) calls it (with `cluster`, it contains a cluster
+    /// barrier); the launch provides [`ROW_REDUCER_SHARED_WORDS`] words of dynamic shared memory.
     #[inline(always)]
-    pub fn new(cluster: bool) -> Self {
-        RowReducer { slot: 0, cluster }
+    pub unsafe fn new(cluster: bool) -> Self {
+        if cluster {
+            if arch::thread_idx() == 0 {
+                let shared = arch::shared_f32();
+                for slot in 0..2 {
+                    unsafe { shared.mbarrier_init(MAILBOX_BARRIERS + 2 * slot, 1) };
+                }
+                arch::fence_mbarrier_init();
+            }
+            // No block may send before every block's mbarriers exist.
+            arch::sync_cluster();
+        }
+        RowReducer {
+            slot: 0,
+            phase: 0,
+            cluster,
+        }
     }
 
     /// Sums of `N ≤ 2` values over the block (a multiple of 32 threads, at most 1024) and, in a
@@ -61,14 +93,16 @@ impl RowReducer {
     /// cluster computes the same bits.
     ///
     /// # Safety
-    /// Every thread of the block (of the cluster) calls it (it contains a barrier); the launch
-    /// provides [`ROW_REDUCER_SHARED_WORDS`] words of dynamic shared memory.
+    /// Every thread of the block (of the cluster) calls it (it contains a barrier); the reducer
+    /// was made by [`Self::new`] in this launch.
     #[inline(always)]
     pub unsafe fn sums<const N: usize>(&mut self, v: [f32; N]) -> [f32; N] {
         let shared = arch::shared_f32();
-        let slot = self.slot;
+        let (slot, phase) = (self.slot, self.phase);
         self.slot ^= 1;
-        let base = slot * MAX_BLOCK_SUMS * WARP;
+        // Each slot's mbarrier completes one phase per use of the slot.
+        self.phase ^= slot as u32;
+        let base = BLOCK_SLOTS + slot * MAX_BLOCK_SUMS * WARP;
         let tid = arch::thread_idx();
         let (lane, warp, warps) = (tid % WARP, tid / WARP, arch::block_dim() / WARP);
         let v = warp_sums(v);
@@ -88,19 +122,25 @@ impl RowReducer {
         if !self.cluster {
             return block;
         }
-        let blocks = arch::cluster_size();
-        // Each block publishes its totals; lane r of every warp reads block r's.
-        let published = 2 * MAX_BLOCK_SUMS * WARP + slot * MAX_BLOCK_SUMS;
+        let (blocks, rank) = (arch::cluster_size(), arch::cluster_rank());
+        let mailbox = MAILBOXES + slot * MAX_CLUSTER * MAX_BLOCK_SUMS;
+        let barrier = MAILBOX_BARRIERS + 2 * slot;
         if tid == 0 {
+            unsafe { shared.mbarrier_arrive_expect_tx(barrier, (4 * N * blocks) as u32) };
+        }
+        // Thread t sends this block's totals to block t, into the words of this block's rank.
+        if tid < blocks {
             for (i, x) in block.iter().enumerate() {
-                unsafe { shared.store(published + i, *x) };
+                let word = mailbox + i * MAX_CLUSTER + rank;
+                unsafe { shared.store_async_to(tid, word, *x, barrier) };
             }
         }
-        arch::sync_cluster();
+        unsafe { shared.mbarrier_wait(barrier, phase) };
+        // Lane r of every warp takes block r's totals.
         let mut partial = [0.0f32; N];
         if lane < blocks {
             for (i, x) in partial.iter_mut().enumerate() {
-                *x = unsafe { shared.load_from(lane, published + i) };
+                *x = unsafe { shared.load(mailbox + i * MAX_CLUSTER + lane) };
             }
         }
         warp_sums(partial)
@@ -153,8 +193,8 @@ impl Team {
         }
     }
 
-    /// The end of a kernel: a block may not exit while the others of its cluster can still read
-    /// its shared memory.
+    /// The end of a kernel: a block may not exit while its last stores into the shared memory of
+    /// the others of its cluster may be in flight.
     #[inline(always)]
     pub fn finish(self) {
         if self.cluster {

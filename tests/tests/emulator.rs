@@ -77,7 +77,7 @@ fn correct_block_reduction_runs_and_sums_in_order() {
         1,
         reduce::ROW_REDUCER_SHARED_WORDS * 4,
         &|| {
-            let mut reducer = reduce::RowReducer::new(false);
+            let mut reducer = unsafe { reduce::RowReducer::new(false) };
             // Two successive reductions reuse the alternating slots.
             let a = unsafe { reducer.sum(arch::thread_idx() as f32) };
             let [b, c] = unsafe { reducer.sums([1.0, arch::block_idx() as f32]) };
@@ -110,7 +110,7 @@ fn cluster_reduction_gives_every_block_the_same_sums() {
         3,
         reduce::ROW_REDUCER_SHARED_WORDS * 4,
         &|| {
-            let mut reducer = reduce::RowReducer::new(true);
+            let mut reducer = unsafe { reduce::RowReducer::new(true) };
             let rank = arch::cluster_rank();
             let tid = rank * arch::block_dim() + arch::thread_idx();
             // Three calls: the published words alternate between two slots, like the block's.

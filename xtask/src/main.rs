@@ -68,6 +68,13 @@ fn compile_ptx(arch: &str) -> Result<String> {
     // The nested cargo must not inherit this process's flags; everything it needs is set here.
     let rustflags = [
         format!("-C target-cpu={arch}"),
+        // sm_90's cluster mailboxes use `st.async` (PTX ISA 8.1); LLVM would declare 7.8 there.
+        // sm_80 keeps LLVM's default (7.0), which every driver that runs it accepts.
+        if arch == "sm_90" {
+            "-C target-feature=+ptx81".into()
+        } else {
+            String::new()
+        },
         "-Zunstable-options".into(),
         "-Cpanic=immediate-abort".into(),
         // Keep per-thread register tiles unrolled (no local memory): see NVPTX-RUST.md.

@@ -2,8 +2,9 @@
 //!
 //! [`launch`] runs a grid cluster by cluster (a cluster of one block unless the launch asks for
 //! more); the threads of a cluster are OS threads. Each block has a real barrier, per-warp
-//! exchange slots for the shuffles and its launch-sized shared memory, which the other blocks of
-//! its cluster can read (distributed shared memory); the cluster has a barrier of its own.
+//! exchange slots for the shuffles and its launch-sized shared memory, into which the other blocks
+//! of its cluster can store asynchronously (distributed shared memory), counted by mbarriers; the
+//! cluster has a barrier of its own.
 //! Misuse is reported, not hung: a barrier or shuffle that not every thread reaches times out and
 //! the launch returns an [`EmuError`] naming the kernel; shared-memory accesses are bounds-checked;
 //! a panic in any thread (an out-of-bounds index, say) ends the launch with its message.
@@ -20,12 +21,14 @@
 extern crate std;
 
 use std::cell::RefCell;
+use std::collections::BTreeMap;
 use std::string::{String, ToString};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 use std::vec::Vec;
 
+pub use super::MAX_CLUSTER;
 use super::WARP;
 
 /// How long a thread waits at a barrier or shuffle before the launch is declared stuck.
@@ -107,6 +110,36 @@ struct Block {
     warp_barriers: Vec<Barrier>,
     warp_slots: Vec<AtomicU32>,
     shared: Vec<AtomicU32>,
+    /// The mbarriers in `shared`, by word: kept beside the words, which they make unusable.
+    mbarriers: Mutex<BTreeMap<usize, Mbarrier>>,
+    mbarrier_changed: Condvar,
+}
+
+/// An emulated mbarrier: a phase completes when every expected arrival has arrived and the bytes
+/// expected of asynchronous stores equal those that landed (either may come first, as on the GPU).
+#[derive(Clone, Copy)]
+struct Mbarrier {
+    arrivals: u32,
+    pending: u32,
+    /// Bytes expected minus bytes landed in the current phase.
+    tx: i64,
+    phase: u32,
+}
+
+impl Block {
+    /// Applies `f` to the mbarrier at word `i`, then completes its phase if it is due.
+    fn update_mbarrier(&self, i: usize, what: &str, f: impl FnOnce(&mut Mbarrier)) {
+        let mut bars = self.mbarriers.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(bar) = bars.get_mut(&i) else {
+            panic!("{what} on word {i}, which holds no initialized mbarrier")
+        };
+        f(bar);
+        if bar.pending == 0 && bar.tx == 0 {
+            bar.phase += 1;
+            bar.pending = bar.arrivals;
+            self.mbarrier_changed.notify_all();
+        }
+    }
 }
 
 /// What the blocks of one emulated cluster share.
@@ -209,41 +242,116 @@ impl SharedF32 {
     /// # Safety
     /// Safe in the emulator (bounds-checked); unsafe for symmetry with the GPU.
     pub unsafe fn load(self, i: usize) -> f32 {
-        unsafe { self.load_from(cluster_rank(), i) }
-    }
-    /// Word `i` of the shared memory of block `rank` of this cluster.
-    ///
-    /// # Safety
-    /// Safe in the emulator (bounds-checked); unsafe for symmetry with the GPU.
-    pub unsafe fn load_from(self, rank: usize, i: usize) -> f32 {
-        with_ctx(|c| {
-            let Some(block) = c.cluster.blocks.get(rank) else {
-                panic!(
-                    "distributed shared-memory load from rank {rank} of a cluster of {}",
-                    c.cluster.blocks.len()
-                )
-            };
-            match block.shared.get(i) {
-                Some(w) => f32::from_bits(w.load(Ordering::SeqCst)),
-                None => panic!(
-                    "shared-memory load of word {i} beyond the launch's {} words",
-                    block.shared.len()
-                ),
-            }
-        })
+        with_ctx(|c| f32::from_bits(shared_word(c.block(), i, "load").load(Ordering::SeqCst)))
     }
     /// # Safety
     /// Safe in the emulator (bounds-checked); unsafe for symmetry with the GPU.
     pub unsafe fn store(self, i: usize, v: f32) {
-        with_ctx(|c| match c.block().shared.get(i) {
-            Some(w) => w.store(v.to_bits(), Ordering::SeqCst),
-            None => panic!(
-                "shared-memory store to word {i} beyond the launch's {} words",
-                c.block().shared.len()
-            ),
+        with_ctx(|c| shared_word(c.block(), i, "store").store(v.to_bits(), Ordering::SeqCst))
+    }
+
+    /// # Safety
+    /// Safe in the emulator (checked); unsafe for symmetry with the GPU.
+    pub unsafe fn mbarrier_init(self, i: usize, arrivals: u32) {
+        with_ctx(|c| {
+            let block = c.block();
+            assert!(i.is_multiple_of(2), "mbarrier at odd word {i}");
+            shared_word(block, i + 1, "mbarrier");
+            let bar = Mbarrier {
+                arrivals,
+                pending: arrivals,
+                tx: 0,
+                phase: 0,
+            };
+            let mut bars = block.mbarriers.lock().unwrap_or_else(|e| e.into_inner());
+            bars.insert(i, bar);
+        })
+    }
+
+    /// # Safety
+    /// Safe in the emulator (checked); unsafe for symmetry with the GPU.
+    pub unsafe fn mbarrier_arrive_expect_tx(self, i: usize, bytes: u32) {
+        with_ctx(|c| {
+            c.block().update_mbarrier(i, "mbarrier arrival", |bar| {
+                assert!(
+                    bar.pending > 0,
+                    "more arrivals than the mbarrier at word {i} expects"
+                );
+                bar.tx += bytes as i64;
+                bar.pending -= 1;
+            })
+        })
+    }
+
+    /// Waits until the phase of parity `parity` has completed; a phase that never completes is
+    /// reported as a stuck launch.
+    ///
+    /// # Safety
+    /// Safe in the emulator (checked); unsafe for symmetry with the GPU.
+    pub unsafe fn mbarrier_wait(self, i: usize, parity: u32) {
+        let (cluster, rank) = with_ctx(|c| (c.cluster.clone(), c.rank));
+        let block = &cluster.blocks[rank];
+        let deadline = std::time::Instant::now() + STUCK_AFTER;
+        let mut bars = block.mbarriers.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let Some(bar) = bars.get(&i) else {
+                panic!("mbarrier wait on word {i}, which holds no initialized mbarrier")
+            };
+            if bar.phase % 2 != parity {
+                return;
+            }
+            if cluster.poisoned.load(Ordering::SeqCst) {
+                panic!("another thread of the cluster failed");
+            }
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                cluster.poisoned.store(true, Ordering::SeqCst);
+                panic!(
+                    "mbarrier at word {i} did not complete its phase {} within {STUCK_AFTER:?} \
+                     (block {}; an arrival or asynchronous store missing?)",
+                    bar.phase, block.idx
+                );
+            }
+            let step = (deadline - now).min(Duration::from_millis(50));
+            bars = block
+                .mbarrier_changed
+                .wait_timeout(bars, step)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Stores into block `rank`'s word `i`, then counts 4 bytes against its mbarrier.
+    ///
+    /// # Safety
+    /// Safe in the emulator (checked); unsafe for symmetry with the GPU.
+    pub unsafe fn store_async_to(self, rank: usize, i: usize, v: f32, mbarrier: usize) {
+        with_ctx(|c| {
+            let Some(block) = c.cluster.blocks.get(rank) else {
+                panic!(
+                    "asynchronous store to rank {rank} of a cluster of {}",
+                    c.cluster.blocks.len()
+                )
+            };
+            shared_word(block, i, "asynchronous store").store(v.to_bits(), Ordering::SeqCst);
+            block.update_mbarrier(mbarrier, "asynchronous store", |bar| bar.tx -= 4);
         })
     }
 }
+
+/// Word `i` of a block's shared memory, or a panic naming the access.
+fn shared_word<'a>(block: &'a Block, i: usize, what: &str) -> &'a AtomicU32 {
+    match block.shared.get(i) {
+        Some(w) => w,
+        None => panic!(
+            "shared-memory {what} of word {i} beyond the launch's {} words",
+            block.shared.len()
+        ),
+    }
+}
+
+/// Nothing to order in the emulator: mbarriers live behind a lock.
+pub fn fence_mbarrier_init() {}
 
 /// # Safety
 /// As on the GPU: `p` is 16-byte aligned with 16 readable bytes.
@@ -319,9 +427,6 @@ impl Drop for PoisonOnPanic {
     }
 }
 
-/// Most blocks in a cluster: the portable limit of sm_90.
-pub const MAX_CLUSTER: usize = 8;
-
 /// Runs `body` as kernel `kernel` over `grid` blocks of `block` threads, in clusters of `cluster`
 /// blocks, with `shared_bytes` of dynamic shared memory per block. Clusters run one after another;
 /// the threads of a cluster run concurrently.
@@ -362,6 +467,8 @@ pub fn launch(
                 shared: (0..shared_bytes.div_ceil(4))
                     .map(|_| AtomicU32::new(0x7fc0_dead))
                     .collect(),
+                mbarriers: Mutex::new(BTreeMap::new()),
+                mbarrier_changed: Condvar::new(),
             })
             .collect();
         let shared = Arc::new(Cluster {

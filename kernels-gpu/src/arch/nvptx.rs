@@ -79,6 +79,10 @@ pub fn cluster_count() -> usize {
 /// `barrier.cluster.arrive` + `barrier.cluster.wait` (release and acquire by default): every thread of every
 /// block of the cluster must reach it; shared-memory stores before it are visible to every block
 /// of the cluster after it. A block barrier on sm_80.
+///
+/// Costly inside a loop: the release compiles to `MEMBAR.ALL.GPU`, which waits until every load
+/// and store the thread has in flight (a prefetched row, the last row's stores) has completed.
+/// Row loops exchange through [`SharedF32::store_async_to`] and mbarriers instead.
 #[inline(always)]
 pub fn sync_cluster() {
     #[cfg(target_feature = "sm_90")]
@@ -142,37 +146,157 @@ impl SharedF32 {
     pub unsafe fn store(self, i: usize, v: f32) {
         unsafe { self.0.add(i).write_volatile(v) }
     }
-    /// Word `i` of the shared memory of block `rank` of this cluster (distributed shared memory:
-    /// `mapa` maps the address into that block's window, a generic load reads it).
+    /// The address of word `i` in the shared state space, as `mbarrier`, `mapa` and `st.async`
+    /// take it.
+    #[cfg(target_feature = "sm_90")]
+    #[inline(always)]
+    fn shared_address(self, i: usize) -> u32 {
+        let a: u32;
+        unsafe {
+            asm!(
+                "{{",
+                ".reg .u64 s;",
+                "cvta.to.shared.u64 s, {p};",
+                "cvt.u32.u64 {a}, s;",
+                "}}",
+                p = in(reg64) self.0.add(i),
+                a = out(reg32) a,
+                options(pure, nomem, nostack, preserves_flags)
+            );
+        }
+        a
+    }
+
+    /// Makes words `i, i + 1` (8-byte aligned) an mbarrier whose phases complete after `arrivals`
+    /// arrivals and every expected byte (`mbarrier.init`). A no-op on sm_80, which has no clusters.
     ///
     /// # Safety
-    /// `i` lies inside the launch's dynamic shared memory; `rank` is below [`cluster_size`]; that
-    /// block has not exited (a cluster barrier orders the two).
+    /// Words `i, i + 1` lie inside the launch's dynamic shared memory, `i` is even, and no other
+    /// thread uses them as an mbarrier yet.
     #[inline(always)]
-    pub unsafe fn load_from(self, rank: usize, i: usize) -> f32 {
+    pub unsafe fn mbarrier_init(self, i: usize, arrivals: u32) {
+        #[cfg(target_feature = "sm_90")]
+        unsafe {
+            asm!(
+                "mbarrier.init.shared::cta.b64 [{a}], {n};",
+                a = in(reg32) self.shared_address(i),
+                n = in(reg32) arrivals,
+                options(nostack, preserves_flags)
+            );
+        }
+        #[cfg(not(target_feature = "sm_90"))]
+        let _ = (i, arrivals);
+    }
+
+    /// One arrival on the mbarrier at word `i`, which also expects `bytes` more of asynchronous
+    /// stores ([`Self::store_async_to`]) in the current phase (`mbarrier.arrive.expect_tx`).
+    /// A no-op on sm_80.
+    ///
+    /// # Safety
+    /// Word `i` holds an initialized mbarrier.
+    #[inline(always)]
+    pub unsafe fn mbarrier_arrive_expect_tx(self, i: usize, bytes: u32) {
+        #[cfg(target_feature = "sm_90")]
+        unsafe {
+            asm!(
+                "{{",
+                ".reg .b64 state;",
+                "mbarrier.arrive.expect_tx.shared::cta.b64 state, [{a}], {n};",
+                "}}",
+                a = in(reg32) self.shared_address(i),
+                n = in(reg32) bytes,
+                options(nostack, preserves_flags)
+            );
+        }
+        #[cfg(not(target_feature = "sm_90"))]
+        let _ = (i, bytes);
+    }
+
+    /// Waits until the phase of parity `parity` of the mbarrier at word `i` has completed
+    /// (`mbarrier.try_wait.parity`, acquire): the asynchronous stores it counted are then visible
+    /// to this thread. Phases count from 0. On sm_80 (clusters of one block, where the stores were
+    /// plain shared stores) a block barrier: every thread of the block must reach it.
+    ///
+    /// # Safety
+    /// Word `i` holds an initialized mbarrier whose phase `parity` will complete.
+    #[inline(always)]
+    pub unsafe fn mbarrier_wait(self, i: usize, parity: u32) {
         #[cfg(target_feature = "sm_90")]
         {
-            let v: u32;
-            unsafe {
-                asm!(
-                    "{{",
-                    ".reg .u64 remote;",
-                    "mapa.u64 remote, {p}, {rank};",
-                    "ld.f32 {v}, [remote];",
-                    "}}",
-                    p = in(reg64) self.0.add(i),
-                    rank = in(reg32) rank as u32,
-                    v = out(reg32) v,
-                    options(nostack, preserves_flags)
-                );
+            let a = self.shared_address(i);
+            loop {
+                let done: u32;
+                unsafe {
+                    asm!(
+                        "{{",
+                        ".reg .pred p;",
+                        "mbarrier.try_wait.parity.shared::cta.b64 p, [{a}], {parity};",
+                        "selp.u32 {done}, 1, 0, p;",
+                        "}}",
+                        a = in(reg32) a,
+                        parity = in(reg32) parity,
+                        done = out(reg32) done,
+                        options(nostack, preserves_flags)
+                    );
+                }
+                if done != 0 {
+                    break;
+                }
             }
-            f32::from_bits(v)
         }
         #[cfg(not(target_feature = "sm_90"))]
         {
-            let _ = rank;
-            unsafe { self.load(i) }
+            let _ = (i, parity);
+            sync_threads();
         }
+    }
+
+    /// Stores `v` into word `i` of the shared memory of block `rank` of this cluster, counting its
+    /// 4 bytes against the mbarrier at word `mbarrier` of that block when they land
+    /// (`st.async … mbarrier::complete_tx::bytes`). Unlike a cluster barrier this orders nothing
+    /// else, so the loads and stores a thread has in flight keep flowing. On sm_80 (rank 0 only)
+    /// a plain shared store.
+    ///
+    /// # Safety
+    /// Words `i` and `mbarrier` lie inside the launch's dynamic shared memory; `rank` is below
+    /// [`cluster_size`]; that block's mbarrier is initialized (a cluster barrier orders the two)
+    /// and expects these bytes in its current phase.
+    #[inline(always)]
+    pub unsafe fn store_async_to(self, rank: usize, i: usize, v: f32, mbarrier: usize) {
+        #[cfg(target_feature = "sm_90")]
+        unsafe {
+            asm!(
+                "{{",
+                ".reg .u32 word, bar;",
+                "mapa.shared::cluster.u32 word, {w}, {rank};",
+                "mapa.shared::cluster.u32 bar, {b}, {rank};",
+                "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [word], {v}, [bar];",
+                "}}",
+                w = in(reg32) self.shared_address(i),
+                b = in(reg32) self.shared_address(mbarrier),
+                rank = in(reg32) rank as u32,
+                v = in(reg32) v.to_bits(),
+                options(nostack, preserves_flags)
+            );
+        }
+        #[cfg(not(target_feature = "sm_90"))]
+        {
+            let _ = (rank, mbarrier);
+            unsafe { self.store(i, v) }
+        }
+    }
+}
+
+/// Makes this thread's `mbarrier_init`s visible to the other blocks of the cluster, for their
+/// asynchronous stores (`fence.mbarrier_init.release.cluster`); a cluster barrier must follow.
+#[inline(always)]
+pub fn fence_mbarrier_init() {
+    #[cfg(target_feature = "sm_90")]
+    unsafe {
+        asm!(
+            "fence.mbarrier_init.release.cluster;",
+            options(nostack, preserves_flags)
+        );
     }
 }
 
