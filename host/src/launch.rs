@@ -28,6 +28,29 @@ impl Kernel {
     }
 }
 
+impl Kernel {
+    /// Dynamic shared memory of one block of `threads` threads of a row kernel.
+    pub(crate) fn row_shared_bytes(&self, threads: usize) -> usize {
+        match self {
+            Kernel::NormBackward(n, v, p) => {
+                norm::backward_shared_bytes(*n, p.residual_family(), v.vpt, threads)
+            }
+            _ => ROW_KERNEL_SHARED_BYTES,
+        }
+    }
+
+    /// The most threads (a multiple of 32) a block of this row kernel may have within the
+    /// dynamic shared memory every kernel gets without opting in (48 KiB).
+    pub(crate) fn threads_within_shared(&self) -> usize {
+        const DEFAULT_SHARED_LIMIT: usize = 48 * 1024;
+        let base = self.row_shared_bytes(0);
+        match self.row_shared_bytes(1) - base {
+            0 => 1024,
+            per_thread => DEFAULT_SHARED_LIMIT.saturating_sub(base) / per_thread / 32 * 32,
+        }
+    }
+}
+
 /// Grid, block, cluster and dynamic shared memory of one launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Shape {
@@ -94,7 +117,7 @@ pub(crate) trait Executor {
 }
 
 /// Shared memory every row kernel gets: the words of a block reduction.
-pub(crate) const ROW_KERNEL_SHARED_BYTES: usize = reduce::ROW_REDUCER_SHARED_WORDS * 4;
+const ROW_KERNEL_SHARED_BYTES: usize = reduce::ROW_REDUCER_SHARED_WORDS * 4;
 
 /// Threads a block prefers when the row fits in registers: enough warps per block to keep several
 /// blocks resident per SM and the per-row reduction short.

@@ -10,8 +10,7 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDro
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::launch::{
-    Executor, Kernel, ROW_KERNEL_SHARED_BYTES, Shape, check_eps, group_layout, launch_column_sum,
-    packs_fit, row_tile,
+    Executor, Kernel, Shape, check_eps, group_layout, launch_column_sum, packs_fit, row_tile,
 };
 use crate::tensor::{Buffer, Dtype, Rows, RowsMut, RowsRef, expect_len};
 
@@ -351,10 +350,11 @@ fn launch_rows(
     // Cluster instances exist for packed access only.
     let max_cluster = if vec { max_cluster } else { 1 };
     let tile = row_tile(d, len, registers, max_cluster, |vpt, cluster| {
-        exec.max_threads(&kernel(variant(vpt, cluster)))
+        let k = kernel(variant(vpt, cluster));
+        Ok(exec.max_threads(&k)?.min(k.threads_within_shared()))
     })?;
     let k = kernel(variant(tile.vpt, tile.cluster > 1));
-    let shared_bytes = ROW_KERNEL_SHARED_BYTES;
+    let shared_bytes = k.row_shared_bytes(tile.threads);
     let grid = exec.persistent_grid(&k, work, tile.threads, tile.cluster, shared_bytes)?;
     exec.launch(
         &k,

@@ -31,7 +31,7 @@
 
 use crate::arch;
 use crate::element::{Access, Element, MixedRows, Pack, Wide, load_f32s, row_addr, store_f32s};
-use crate::reduce::{RowReducer, Team};
+use crate::reduce::{ROW_REDUCER_SHARED_WORDS, RowReducer, Team};
 use crate::variant::export_family;
 
 /// Launch parameters of the forward. Row strides are in elements; a statistic pointer of 0 skips
@@ -734,6 +734,81 @@ fn load_stats<const CENTERED: bool>(p: &BackwardParams, row: usize) -> (f32, f32
     (mean, unsafe { (p.rstd as *const f32).add(row).read() })
 }
 
+/// Whether a backward register tile holds γ in shared memory rather than in registers: LayerNorm's
+/// widest plain tile, whose registers go to the next row instead (it waits on two reductions per
+/// row, so it needs one in flight; both would take it past 255 registers).
+pub const fn gamma_in_shared(centered: bool, residual: bool, vpt: usize) -> bool {
+    centered && !residual && vpt >= 4
+}
+
+/// Dynamic shared memory of a backward block of `threads` threads with `vpt` accesses each:
+/// the reducer's words, then γ where [`gamma_in_shared`].
+pub const fn backward_shared_bytes(
+    norm: Norm,
+    residual: bool,
+    vpt: usize,
+    threads: usize,
+) -> usize {
+    let words = if gamma_in_shared(matches!(norm, Norm::Layer), residual, vpt) {
+        SharedGamma::BASE + vpt * threads * 8
+    } else {
+        ROW_REDUCER_SHARED_WORDS
+    };
+    words * 4
+}
+
+/// This thread's γ in shared memory ([`gamma_in_shared`]): 8 words per access, as two 16-byte
+/// words, each half laid out thread by thread so a warp's loads touch consecutive 16 bytes (no bank
+/// conflicts). Only the thread that stored its words reads them back, so they need no barrier.
+#[derive(Clone, Copy)]
+struct SharedGamma {
+    first: usize,
+    block: usize,
+}
+
+impl SharedGamma {
+    /// After the reducer's words, 16-byte aligned.
+    const BASE: usize = ROW_REDUCER_SHARED_WORDS.next_multiple_of(4);
+
+    #[inline(always)]
+    fn new() -> Self {
+        SharedGamma {
+            first: Self::BASE + arch::thread_idx() * 4,
+            block: arch::block_dim(),
+        }
+    }
+
+    #[inline(always)]
+    fn word(&self, k: usize, half: usize) -> usize {
+        self.first + (2 * k + half) * self.block * 4
+    }
+
+    /// # Safety
+    /// The launch provides [`backward_shared_bytes`].
+    #[inline(always)]
+    unsafe fn store(&self, k: usize, g: &[f32; 8], len: usize) {
+        let shared = arch::shared_f32();
+        unsafe { shared.store4(self.word(k, 0), [g[0], g[1], g[2], g[3]]) };
+        if len > 4 {
+            unsafe { shared.store4(self.word(k, 1), [g[4], g[5], g[6], g[7]]) };
+        }
+    }
+
+    /// # Safety
+    /// As for [`Self::store`], which stored access `k` before.
+    #[inline(always)]
+    unsafe fn load(&self, k: usize, len: usize) -> [f32; 8] {
+        let shared = arch::shared_f32();
+        let [a, b, c, d] = unsafe { shared.load4(self.word(k, 0)) };
+        let [e, f, g, h] = if len > 4 {
+            unsafe { shared.load4(self.word(k, 1)) }
+        } else {
+            [0.0; 4]
+        };
+        [a, b, c, d, e, f, g, h]
+    }
+}
+
 #[inline(always)]
 unsafe fn backward_regs<
     T: Element,
@@ -758,12 +833,25 @@ unsafe fn backward_regs<
     let d = p.d as usize;
     let elem = |k: usize| (tid + k * threads) * len;
     let with_dbeta = CENTERED && p.dbeta_partials != 0;
+    let in_shared = gamma_in_shared(CENTERED, S::WIDE, VPT);
+    let shared_gamma = SharedGamma::new();
     let mut gamma = [[0.0f32; 8]; VPT];
     for (k, g) in gamma.iter_mut().enumerate() {
+        // Past d: γ = 0 (and dy = 0), so those accesses add nothing to the row sums.
         if elem(k) < d {
             *g = unsafe { param::<T, VEC>(p.gamma, elem(k), p.params_f32, p.gamma_offset) };
         }
+        if in_shared {
+            unsafe { shared_gamma.store(k, g, len) };
+        }
     }
+    let gamma_at = |k: usize| {
+        if in_shared {
+            unsafe { shared_gamma.load(k, len) }
+        } else {
+            gamma[k]
+        }
+    };
     let rows = p.rows as usize;
     let mut group = first;
     while group < p.groups as usize {
@@ -771,9 +859,9 @@ unsafe fn backward_regs<
         let end = (first + p.rows_per_group as usize).min(rows);
         let mut dgamma = [[0.0f32; 8]; VPT];
         let mut dbeta = [[0.0f32; 8]; VPT];
-        // The widest LayerNorm tile, and the widest tile of any wide source, have no registers
-        // left for a second row (it would spill).
-        let prefetch = !((CENTERED || S::WIDE) && VPT >= 4);
+        // The widest tile of a wide source has no registers left for a second row (it would
+        // spill); LayerNorm's widest plain tile makes room by holding γ in shared memory.
+        let prefetch = !(S::WIDE && VPT >= 4);
         // Loads of row r+1 are issued before row r's reduction and stores, so a block always has
         // a row in flight: with only a couple of blocks per SM that is what hides memory latency.
         // Without that, what only the stores need (dresidual) is loaded one access at a time next
@@ -834,8 +922,9 @@ unsafe fn backward_regs<
             };
             let (mut sum_dy_hat, mut dot) = (0.0f32, 0.0f32);
             for k in 0..VPT {
+                let gamma = gamma_at(k);
                 for i in 0..len {
-                    let dy_hat = T::get(&dy[k], i) * gamma[k][i];
+                    let dy_hat = T::get(&dy[k], i) * gamma[i];
                     sum_dy_hat += dy_hat;
                     // Accesses past d hold dy = 0, so they add nothing to either sum.
                     dot += dy_hat * ((S::get(&x[k], i) - mean) * rstd);
@@ -852,11 +941,12 @@ unsafe fn backward_regs<
                     } else {
                         unsafe { src.load_extra(&src_row, elem(k)) }
                     };
+                    let gamma = gamma_at(k);
                     let mut dx: Pack = [0; 4];
                     for i in 0..len {
                         let x_hat = (S::get(&x[k], i) - mean) * rstd;
                         let dy_i = T::get(&dy[k], i);
-                        let dy_hat = dy_i * gamma[k][i];
+                        let dy_hat = dy_i * gamma[i];
                         let v = rstd * (dy_hat - mean_dy_hat - x_hat * mean_dot);
                         T::set(&mut dx, i, src.dx(&extra, i, v));
                         dgamma[k][i] += dy_i * x_hat;

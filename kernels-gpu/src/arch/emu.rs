@@ -252,6 +252,21 @@ impl SharedF32 {
 
     /// # Safety
     /// Safe in the emulator (checked); unsafe for symmetry with the GPU.
+    pub unsafe fn load4(self, i: usize) -> [f32; 4] {
+        assert!(i.is_multiple_of(4), "16-byte shared load at word {i}");
+        core::array::from_fn(|w| unsafe { self.load(i + w) })
+    }
+    /// # Safety
+    /// Safe in the emulator (checked); unsafe for symmetry with the GPU.
+    pub unsafe fn store4(self, i: usize, v: [f32; 4]) {
+        assert!(i.is_multiple_of(4), "16-byte shared store at word {i}");
+        for (w, x) in v.into_iter().enumerate() {
+            unsafe { self.store(i + w, x) };
+        }
+    }
+
+    /// # Safety
+    /// Safe in the emulator (checked); unsafe for symmetry with the GPU.
     pub unsafe fn mbarrier_init(self, i: usize, arrivals: u32) {
         with_ctx(|c| {
             let block = c.block();

@@ -146,9 +146,48 @@ impl SharedF32 {
     pub unsafe fn store(self, i: usize, v: f32) {
         unsafe { self.0.add(i).write_volatile(v) }
     }
-    /// The address of word `i` in the shared state space, as `mbarrier`, `mapa` and `st.async`
-    /// take it.
-    #[cfg(target_feature = "sm_90")]
+    /// Words `i..i + 4` in one 16-byte load (`ld.shared.v4.f32`).
+    ///
+    /// # Safety
+    /// The words lie inside the launch's dynamic shared memory; `i` is a multiple of 4.
+    #[inline(always)]
+    pub unsafe fn load4(self, i: usize) -> [f32; 4] {
+        let (a, b, c, d): (u32, u32, u32, u32);
+        unsafe {
+            asm!(
+                "ld.shared.v4.f32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+                p = in(reg32) self.shared_address(i),
+                a = out(reg32) a,
+                b = out(reg32) b,
+                c = out(reg32) c,
+                d = out(reg32) d,
+                options(nostack, preserves_flags, readonly)
+            );
+        }
+        [a, b, c, d].map(f32::from_bits)
+    }
+    /// Words `i..i + 4` in one 16-byte store (`st.shared.v4.f32`).
+    ///
+    /// # Safety
+    /// The words lie inside the launch's dynamic shared memory; `i` is a multiple of 4.
+    #[inline(always)]
+    pub unsafe fn store4(self, i: usize, v: [f32; 4]) {
+        let [a, b, c, d] = v.map(f32::to_bits);
+        unsafe {
+            asm!(
+                "st.shared.v4.f32 [{p}], {{{a}, {b}, {c}, {d}}};",
+                p = in(reg32) self.shared_address(i),
+                a = in(reg32) a,
+                b = in(reg32) b,
+                c = in(reg32) c,
+                d = in(reg32) d,
+                options(nostack, preserves_flags)
+            );
+        }
+    }
+
+    /// The address of word `i` in the shared state space, as `ld.shared`, `mbarrier`, `mapa` and
+    /// `st.async` take it.
     #[inline(always)]
     fn shared_address(self, i: usize) -> u32 {
         let a: u32;
