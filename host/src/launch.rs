@@ -32,9 +32,7 @@ impl Kernel {
     /// Dynamic shared memory of one block of `threads` threads of a row kernel.
     pub(crate) fn row_shared_bytes(&self, threads: usize) -> usize {
         match self {
-            Kernel::NormBackward(n, v, p) => {
-                norm::backward_shared_bytes(*n, p.residual_family(), v.vpt, threads)
-            }
+            Kernel::NormBackward(n, v, _) => norm::backward_shared_bytes(*n, v.vpt, threads),
             _ => ROW_KERNEL_SHARED_BYTES,
         }
     }

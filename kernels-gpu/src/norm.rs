@@ -31,7 +31,7 @@
 
 use crate::arch;
 use crate::element::{Access, Element, MixedRows, Pack, Wide, load_f32s, row_addr, store_f32s};
-use crate::reduce::{ROW_REDUCER_SHARED_WORDS, RowReducer, Team};
+use crate::reduce::{PendingSums, ROW_REDUCER_SHARED_WORDS, RowReducer, Team};
 use crate::variant::export_family;
 
 /// Launch parameters of the forward. Row strides are in elements; a statistic pointer of 0 skips
@@ -703,7 +703,28 @@ pub unsafe fn backward<
     team.finish();
 }
 
-/// `(mean(dŷ), mean(dŷ·x̂))` of a row from its block-wide sums (RMSNorm needs only the second).
+/// Starts the sums of `dŷ` and `dŷ·x̂` over a row (RMSNorm needs only the second).
+///
+/// # Safety
+/// As for [`RowReducer::start`].
+#[inline(always)]
+unsafe fn start_means<const CENTERED: bool>(
+    reducer: &mut RowReducer,
+    sum_dy_hat: f32,
+    dot: f32,
+) -> PendingSums {
+    if CENTERED {
+        unsafe { reducer.start([sum_dy_hat, dot]) }
+    } else {
+        unsafe { reducer.start([dot]) }
+    }
+}
+
+/// `(mean(dŷ), mean(dŷ·x̂))` of a row from its sums of `dŷ` and `dŷ·x̂` (RMSNorm needs only the
+/// second).
+///
+/// # Safety
+/// As for [`RowReducer::sums`].
 #[inline(always)]
 unsafe fn row_means<const CENTERED: bool>(
     reducer: &mut RowReducer,
@@ -711,11 +732,27 @@ unsafe fn row_means<const CENTERED: bool>(
     dot: f32,
     inv_d: f32,
 ) -> (f32, f32) {
+    unsafe {
+        let sums = start_means::<CENTERED>(reducer, sum_dy_hat, dot);
+        finish_means::<CENTERED>(reducer, sums, inv_d)
+    }
+}
+
+/// `(mean(dŷ), mean(dŷ·x̂))` of a row from the sums [`start_means`] started.
+///
+/// # Safety
+/// As for [`RowReducer::finish`].
+#[inline(always)]
+unsafe fn finish_means<const CENTERED: bool>(
+    reducer: &mut RowReducer,
+    sums: PendingSums,
+    inv_d: f32,
+) -> (f32, f32) {
     if CENTERED {
-        let [a, b] = unsafe { reducer.sums([sum_dy_hat, dot]) };
+        let [a, b] = unsafe { reducer.finish(sums) };
         (a * inv_d, b * inv_d)
     } else {
-        (0.0, unsafe { reducer.sum(dot) } * inv_d)
+        (0.0, unsafe { reducer.finish::<1>(sums) }[0] * inv_d)
     }
 }
 
@@ -734,22 +771,19 @@ fn load_stats<const CENTERED: bool>(p: &BackwardParams, row: usize) -> (f32, f32
     (mean, unsafe { (p.rstd as *const f32).add(row).read() })
 }
 
-/// Whether a backward register tile holds γ in shared memory rather than in registers: LayerNorm's
-/// widest plain tile, whose registers go to the next row instead (it waits on two reductions per
-/// row, so it needs one in flight; both would take it past 255 registers).
-pub const fn gamma_in_shared(centered: bool, residual: bool, vpt: usize) -> bool {
-    centered && !residual && vpt >= 4
+/// Whether a backward register tile holds γ in shared memory rather than in registers:
+/// LayerNorm's tiles of two or more accesses per thread. Their rows, dγ and dβ fill the
+/// registers: the widest plain tile needs the room for the next row (it waits on two reductions per
+/// row, so it needs one in flight), the two-access tile to keep two blocks per SM (128 registers)
+/// without spilling, the widest residual tile to stay within 255.
+pub const fn gamma_in_shared(centered: bool, vpt: usize) -> bool {
+    centered && vpt >= 2
 }
 
 /// Dynamic shared memory of a backward block of `threads` threads with `vpt` accesses each:
 /// the reducer's words, then γ where [`gamma_in_shared`].
-pub const fn backward_shared_bytes(
-    norm: Norm,
-    residual: bool,
-    vpt: usize,
-    threads: usize,
-) -> usize {
-    let words = if gamma_in_shared(matches!(norm, Norm::Layer), residual, vpt) {
+pub const fn backward_shared_bytes(norm: Norm, vpt: usize, threads: usize) -> usize {
+    let words = if gamma_in_shared(matches!(norm, Norm::Layer), vpt) {
         SharedGamma::BASE + vpt * threads * 8
     } else {
         ROW_REDUCER_SHARED_WORDS
@@ -809,6 +843,211 @@ impl SharedGamma {
     }
 }
 
+/// One row of a backward register tile as loaded: x, dy, what is added into dx (dresidual, when
+/// prefetched) and the saved statistics.
+type LoadedRow<R, E, const VPT: usize> = ([R; VPT], [Pack; VPT], [E; VPT], (f32, f32));
+
+/// A row after pass 1: x as used, its statistics `(μ, rstd)`, and its sums on their way.
+type Pass1<H, const VPT: usize> = ([H; VPT], (f32, f32), PendingSums);
+
+/// What the rows of a backward register tile share: this thread's accesses and its γ.
+struct BackwardTile<'a, T: Element, const VEC: bool, const VPT: usize, const CENTERED: bool, S> {
+    p: &'a BackwardParams,
+    src: S,
+    team: Team,
+    d: usize,
+    /// γ in registers, unless [`gamma_in_shared`].
+    gamma: [[f32; 8]; VPT],
+    shared_gamma: SharedGamma,
+    /// Loads of row r+1 are issued before row r's reduction and stores, so a block always has a
+    /// row in flight: with only a couple of blocks per SM that is what hides memory latency.
+    /// Without that, what only the stores need (dresidual) is loaded one access at a time next to
+    /// its store, to keep it out of the registers of the reductions.
+    prefetch: bool,
+    element: core::marker::PhantomData<T>,
+}
+
+impl<T: Element, const VEC: bool, const VPT: usize, const CENTERED: bool, S: RowSource<T, VEC>>
+    BackwardTile<'_, T, VEC, VPT, CENTERED, S>
+{
+    const LEN: usize = Access::<T, VEC>::LEN;
+    const GAMMA_IN_SHARED: bool = gamma_in_shared(CENTERED, VPT);
+
+    /// # Safety
+    /// As for [`backward`]; every thread of the block calls it.
+    #[inline(always)]
+    unsafe fn new(
+        p: &BackwardParams,
+        src: S,
+        team: Team,
+    ) -> BackwardTile<'_, T, VEC, VPT, CENTERED, S> {
+        let mut tile = BackwardTile {
+            p,
+            src,
+            team,
+            d: p.d as usize,
+            gamma: [[0.0f32; 8]; VPT],
+            shared_gamma: SharedGamma::new(),
+            // The widest tile of a wide source has no registers left for a second row (it would
+            // spill); LayerNorm's widest plain tile makes room by holding γ in shared memory.
+            prefetch: !(S::WIDE && VPT >= 4),
+            element: core::marker::PhantomData,
+        };
+        for k in 0..VPT {
+            // Past d: γ = 0 (and dy = 0), so those accesses add nothing to the row sums.
+            let mut g = [0.0f32; 8];
+            if tile.elem(k) < tile.d {
+                g = unsafe { param::<T, VEC>(p.gamma, tile.elem(k), p.params_f32, p.gamma_offset) };
+            }
+            if Self::GAMMA_IN_SHARED {
+                unsafe { tile.shared_gamma.store(k, &g, Self::LEN) };
+            } else {
+                tile.gamma[k] = g;
+            }
+        }
+        tile
+    }
+
+    /// The first element of this thread's access `k`.
+    #[inline(always)]
+    fn elem(&self, k: usize) -> usize {
+        (self.team.tid + k * self.team.threads) * Self::LEN
+    }
+
+    #[inline(always)]
+    fn gamma(&self, k: usize) -> [f32; 8] {
+        if Self::GAMMA_IN_SHARED {
+            unsafe { self.shared_gamma.load(k, Self::LEN) }
+        } else {
+            self.gamma[k]
+        }
+    }
+
+    /// Issues the loads of a row.
+    ///
+    /// # Safety
+    /// `row` is below `rows`.
+    #[inline(always)]
+    unsafe fn load(&self, row: usize) -> LoadedRow<S::Raw, S::Extra, VPT> {
+        let p = self.p;
+        let src_row = self.src.row(row);
+        let dy_row = row_addr::<T>(p.dy, row, p.dy_stride);
+        let mut x = [S::Raw::default(); VPT];
+        let mut dy: [Pack; VPT] = [[0; 4]; VPT];
+        for k in 0..VPT {
+            if self.elem(k) < self.d {
+                x[k] = unsafe { self.src.load(&src_row, self.elem(k)) };
+                dy[k] = unsafe { Access::<T, VEC>::load(dy_row, self.elem(k)) };
+            }
+        }
+        let mut extra = [S::Extra::default(); VPT];
+        for k in 0..VPT {
+            if self.prefetch && self.elem(k) < self.d {
+                extra[k] = unsafe { self.src.load_extra(&src_row, self.elem(k)) };
+            }
+        }
+        (x, dy, extra, load_stats::<CENTERED>(p, row))
+    }
+
+    /// A row with nothing loaded (past the last).
+    #[inline(always)]
+    fn empty() -> LoadedRow<S::Raw, S::Extra, VPT> {
+        (
+            [S::Raw::default(); VPT],
+            [[0; 4]; VPT],
+            [S::Extra::default(); VPT],
+            (0.0, 0.0),
+        )
+    }
+
+    /// Pass 1 of a row: x as used, its statistics, and the sums of `dŷ` and `dŷ·x̂` started.
+    ///
+    /// # Safety
+    /// Every thread of the team calls it (it reduces).
+    #[inline(always)]
+    unsafe fn pass1(
+        &self,
+        reducer: &mut RowReducer,
+        row: &LoadedRow<S::Raw, S::Extra, VPT>,
+    ) -> Pass1<S::Held, VPT> {
+        let p = self.p;
+        let (raw, dy, _, saved) = row;
+        let mut x = [S::Held::default(); VPT];
+        for k in 0..VPT {
+            x[k] = self.src.hold(&raw[k]);
+        }
+        // Nothing saved: recompute the statistics from the row already in registers.
+        let (mean, rstd) = if p.rstd == 0 {
+            unsafe {
+                row_stats_regs::<T, VEC, VPT, CENTERED, S>(
+                    reducer, self.team, &x, self.d, p.inv_d, p.eps,
+                )
+            }
+        } else {
+            *saved
+        };
+        let (mut sum_dy_hat, mut dot) = (0.0f32, 0.0f32);
+        for k in 0..VPT {
+            let gamma = self.gamma(k);
+            for i in 0..Self::LEN {
+                let dy_hat = T::get(&dy[k], i) * gamma[i];
+                sum_dy_hat += dy_hat;
+                // Accesses past d hold dy = 0, so they add nothing to either sum.
+                dot += dy_hat * ((S::get(&x[k], i) - mean) * rstd);
+            }
+        }
+        let sums = unsafe { start_means::<CENTERED>(reducer, sum_dy_hat, dot) };
+        (x, (mean, rstd), sums)
+    }
+
+    /// Pass 2 of a row: finishes its sums, writes dx and adds the row into `dgamma` and `dbeta`.
+    ///
+    /// # Safety
+    /// Every thread of the team calls it (it reduces); `pass1` is this row's, and its sums are
+    /// the oldest unfinished.
+    #[inline(always)]
+    unsafe fn pass2(
+        &self,
+        reducer: &mut RowReducer,
+        row: usize,
+        loaded: &LoadedRow<S::Raw, S::Extra, VPT>,
+        pass1: Pass1<S::Held, VPT>,
+        dgamma: &mut [[f32; 8]; VPT],
+        dbeta: &mut [[f32; 8]; VPT],
+    ) {
+        let p = self.p;
+        let (x, (mean, rstd), sums) = pass1;
+        let (_, dy, extra, _) = loaded;
+        let (mean_dy_hat, mean_dot) = unsafe { finish_means::<CENTERED>(reducer, sums, p.inv_d) };
+        let with_dbeta = CENTERED && p.dbeta_partials != 0;
+        let dx_row = row_addr::<T>(p.dx, row, p.dx_stride);
+        let src_row = self.src.row(row);
+        for k in 0..VPT {
+            if self.elem(k) < self.d {
+                let extra = if self.prefetch {
+                    extra[k]
+                } else {
+                    unsafe { self.src.load_extra(&src_row, self.elem(k)) }
+                };
+                let gamma = self.gamma(k);
+                let mut dx: Pack = [0; 4];
+                for i in 0..Self::LEN {
+                    let x_hat = (S::get(&x[k], i) - mean) * rstd;
+                    let dy_i = T::get(&dy[k], i);
+                    let dy_hat = dy_i * gamma[i];
+                    let v = rstd * (dy_hat - mean_dy_hat - x_hat * mean_dot);
+                    T::set(&mut dx, i, self.src.dx(&extra, i, v));
+                    dgamma[k][i] += dy_i * x_hat;
+                    if with_dbeta {
+                        dbeta[k][i] += dy_i;
+                    }
+                }
+                unsafe { Access::<T, VEC>::store(dx_row, self.elem(k), &dx) };
+            }
+        }
+    }
+}
+
 #[inline(always)]
 unsafe fn backward_regs<
     T: Element,
@@ -822,154 +1061,80 @@ unsafe fn backward_regs<
     team: Team,
 ) {
     let mut reducer = unsafe { RowReducer::new(team.cluster) };
-    let len = Access::<T, VEC>::LEN;
-    let Team {
-        tid,
-        threads,
-        first,
-        stride,
-        ..
-    } = team;
-    let d = p.d as usize;
-    let elem = |k: usize| (tid + k * threads) * len;
+    let tile = unsafe { BackwardTile::<T, VEC, VPT, CENTERED, S>::new(p, src, team) };
+    let (d, rows) = (tile.d, p.rows as usize);
     let with_dbeta = CENTERED && p.dbeta_partials != 0;
-    let in_shared = gamma_in_shared(CENTERED, S::WIDE, VPT);
-    let shared_gamma = SharedGamma::new();
-    let mut gamma = [[0.0f32; 8]; VPT];
-    for (k, g) in gamma.iter_mut().enumerate() {
-        // Past d: γ = 0 (and dy = 0), so those accesses add nothing to the row sums.
-        if elem(k) < d {
-            *g = unsafe { param::<T, VEC>(p.gamma, elem(k), p.params_f32, p.gamma_offset) };
-        }
-        if in_shared {
-            unsafe { shared_gamma.store(k, g, len) };
-        }
-    }
-    let gamma_at = |k: usize| {
-        if in_shared {
-            unsafe { shared_gamma.load(k, len) }
-        } else {
-            gamma[k]
-        }
-    };
-    let rows = p.rows as usize;
-    let mut group = first;
+    let prefetch = tile.prefetch;
+    let mut group = team.first;
     while group < p.groups as usize {
         let first = group * p.rows_per_group as usize;
         let end = (first + p.rows_per_group as usize).min(rows);
         let mut dgamma = [[0.0f32; 8]; VPT];
         let mut dbeta = [[0.0f32; 8]; VPT];
-        // The widest tile of a wide source has no registers left for a second row (it would
-        // spill); LayerNorm's widest plain tile makes room by holding γ in shared memory.
-        let prefetch = !(S::WIDE && VPT >= 4);
-        // Loads of row r+1 are issued before row r's reduction and stores, so a block always has
-        // a row in flight: with only a couple of blocks per SM that is what hides memory latency.
-        // Without that, what only the stores need (dresidual) is loaded one access at a time next
-        // to its store, to keep it out of the registers of the reductions.
-        let load_row = |row: usize| {
-            let src_row = src.row(row);
-            let dy_row = row_addr::<T>(p.dy, row, p.dy_stride);
-            let mut x = [S::Raw::default(); VPT];
-            let mut dy: [Pack; VPT] = [[0; 4]; VPT];
-            for k in 0..VPT {
-                if elem(k) < d {
-                    x[k] = unsafe { src.load(&src_row, elem(k)) };
-                    dy[k] = unsafe { Access::<T, VEC>::load(dy_row, elem(k)) };
-                }
-            }
-            let mut extra = [S::Extra::default(); VPT];
-            for k in 0..VPT {
-                if prefetch && elem(k) < d {
-                    extra[k] = unsafe { src.load_extra(&src_row, elem(k)) };
-                }
-            }
-            (x, dy, extra, load_stats::<CENTERED>(p, row))
-        };
-        let empty = (
-            [S::Raw::default(); VPT],
-            [[0; 4]; VPT],
-            [S::Extra::default(); VPT],
-            (0.0, 0.0),
-        );
-        let mut next = if prefetch && first < end {
-            load_row(first)
-        } else {
-            empty
-        };
-        for row in first..end {
-            let (raw, dy, extra, saved) = if prefetch { next } else { load_row(row) };
-            if prefetch && row + 1 < end {
-                next = load_row(row + 1);
-            }
-            let mut x = [S::Held::default(); VPT];
-            for k in 0..VPT {
-                x[k] = src.hold(&raw[k]);
-            }
-            // Nothing saved: recompute the statistics from the row already in registers.
-            let (mean, rstd) = if p.rstd == 0 {
-                unsafe {
-                    row_stats_regs::<T, VEC, VPT, CENTERED, S>(
-                        &mut reducer,
-                        team,
-                        &x,
-                        d,
-                        p.inv_d,
-                        p.eps,
-                    )
-                }
-            } else {
-                saved
-            };
-            let (mut sum_dy_hat, mut dot) = (0.0f32, 0.0f32);
-            for k in 0..VPT {
-                let gamma = gamma_at(k);
-                for i in 0..len {
-                    let dy_hat = T::get(&dy[k], i) * gamma[i];
-                    sum_dy_hat += dy_hat;
-                    // Accesses past d hold dy = 0, so they add nothing to either sum.
-                    dot += dy_hat * ((S::get(&x[k], i) - mean) * rstd);
-                }
-            }
-            let (mean_dy_hat, mean_dot) =
-                unsafe { row_means::<CENTERED>(&mut reducer, sum_dy_hat, dot, p.inv_d) };
-            let dx_row = row_addr::<T>(p.dx, row, p.dx_stride);
-            let src_row = src.row(row);
-            for k in 0..VPT {
-                if elem(k) < d {
-                    let extra = if prefetch {
-                        extra[k]
+        if team.cluster && prefetch {
+            // A cluster's sums cross SMs, which takes long enough to leave every warp of the
+            // block waiting. So a cluster tile runs pass 1 of row r+1 (starting its sums) before
+            // it finishes row r's sums in pass 2: the exchange overlaps a pass over each of two
+            // rows. With loads one row ahead of pass 1, the block holds three rows.
+            if first < end {
+                let mut cur = unsafe { tile.load(first) };
+                let mut next = if first + 1 < end {
+                    unsafe { tile.load(first + 1) }
+                } else {
+                    BackwardTile::<T, VEC, VPT, CENTERED, S>::empty()
+                };
+                let mut started = unsafe { tile.pass1(&mut reducer, &cur) };
+                for row in first..end {
+                    let after = if row + 2 < end {
+                        unsafe { tile.load(row + 2) }
                     } else {
-                        unsafe { src.load_extra(&src_row, elem(k)) }
+                        BackwardTile::<T, VEC, VPT, CENTERED, S>::empty()
                     };
-                    let gamma = gamma_at(k);
-                    let mut dx: Pack = [0; 4];
-                    for i in 0..len {
-                        let x_hat = (S::get(&x[k], i) - mean) * rstd;
-                        let dy_i = T::get(&dy[k], i);
-                        let dy_hat = dy_i * gamma[i];
-                        let v = rstd * (dy_hat - mean_dy_hat - x_hat * mean_dot);
-                        T::set(&mut dx, i, src.dx(&extra, i, v));
-                        dgamma[k][i] += dy_i * x_hat;
-                        if with_dbeta {
-                            dbeta[k][i] += dy_i;
-                        }
-                    }
-                    unsafe { Access::<T, VEC>::store(dx_row, elem(k), &dx) };
+                    let following = if row + 1 < end {
+                        unsafe { tile.pass1(&mut reducer, &next) }
+                    } else {
+                        (started.0, started.1, PendingSums::none())
+                    };
+                    unsafe {
+                        tile.pass2(&mut reducer, row, &cur, started, &mut dgamma, &mut dbeta)
+                    };
+                    cur = next;
+                    next = after;
+                    started = following;
                 }
+            }
+        } else {
+            let mut next = if prefetch && first < end {
+                unsafe { tile.load(first) }
+            } else {
+                BackwardTile::<T, VEC, VPT, CENTERED, S>::empty()
+            };
+            for row in first..end {
+                let this = if prefetch {
+                    next
+                } else {
+                    unsafe { tile.load(row) }
+                };
+                if prefetch && row + 1 < end {
+                    next = unsafe { tile.load(row + 1) };
+                }
+                let started = unsafe { tile.pass1(&mut reducer, &this) };
+                unsafe { tile.pass2(&mut reducer, row, &this, started, &mut dgamma, &mut dbeta) };
             }
         }
+        let len = BackwardTile::<T, VEC, VPT, CENTERED, S>::LEN;
         let offset = (group * d * 4) as u64;
         for k in 0..VPT {
-            if elem(k) < d {
-                unsafe { store_f32s::<VEC>(p.partials + offset, elem(k), &dgamma[k], len) };
+            if tile.elem(k) < d {
+                unsafe { store_f32s::<VEC>(p.partials + offset, tile.elem(k), &dgamma[k], len) };
                 if with_dbeta {
                     unsafe {
-                        store_f32s::<VEC>(p.dbeta_partials + offset, elem(k), &dbeta[k], len)
+                        store_f32s::<VEC>(p.dbeta_partials + offset, tile.elem(k), &dbeta[k], len)
                     };
                 }
             }
         }
-        group += stride;
+        group += team.stride;
     }
 }
 

@@ -31,13 +31,22 @@ pub fn warp_sum(v: f32) -> f32 {
 pub const MAX_BLOCK_SUMS: usize = 2;
 /// The block's slots: two of one word per warp per value.
 const BLOCK_SLOTS: usize = 0;
-/// The cluster's mailboxes: two slots, each of one word per block per value, written by the
-/// blocks of the cluster.
+/// Mailbox slots per block. Between starting a call and finishing it, a block starts at most
+/// [`MAX_LEAD`] more. While a block has not read call c it has started at most c + `MAX_LEAD`, so
+/// no other block can have finished more than that (each finish waits for every block's totals),
+/// nor started more than c + 2·`MAX_LEAD` + 1: a slot is written again only after it was read.
+const MAILBOX_SLOTS: usize = 2 * MAX_LEAD + 2;
+/// Most calls started between a call's [`RowReducer::start`] and its [`RowReducer::finish`]: the
+/// backward starts the next row's sums before finishing a row's, and with statistics to recompute
+/// LayerNorm first sums the next row's x and squares (three calls).
+pub const MAX_LEAD: usize = 3;
+/// The cluster's mailboxes: per slot, one word per block per value, written by the blocks of the
+/// cluster.
 const MAILBOXES: usize = BLOCK_SLOTS + 2 * MAX_BLOCK_SUMS * WARP;
 /// One mbarrier (two words, 8-byte aligned) per mailbox slot, counting the bytes that landed.
-const MAILBOX_BARRIERS: usize = MAILBOXES + 2 * MAX_CLUSTER * MAX_BLOCK_SUMS;
+const MAILBOX_BARRIERS: usize = MAILBOXES + MAILBOX_SLOTS * MAX_CLUSTER * MAX_BLOCK_SUMS;
 /// Words of dynamic shared memory a [`RowReducer`] needs.
-pub const ROW_REDUCER_SHARED_WORDS: usize = MAILBOX_BARRIERS + 2 * 2;
+pub const ROW_REDUCER_SHARED_WORDS: usize = MAILBOX_BARRIERS + 2 * MAILBOX_SLOTS;
 
 /// Sums over the threads that share one row: the block, or (sm_90) every block of the cluster.
 ///
@@ -49,15 +58,35 @@ pub const ROW_REDUCER_SHARED_WORDS: usize = MAILBOX_BARRIERS + 2 * 2;
 /// Across a cluster, each block sends its totals into a mailbox in every block's shared memory
 /// (`st.async`) and waits on its own mailbox's mbarrier until all have landed. No cluster barrier:
 /// its release semantics would wait for every load and store in flight (the next row's prefetch,
-/// this row's stores) on every row. Mailboxes alternate between two slots like the block's: a
-/// block can only send into a slot again after the call in between, which needs this block's
-/// totals of that call, which it sends only after reading the slot.
+/// this row's stores) on every row. The exchange takes a while (SM to SM), so a reduction can be
+/// started ([`Self::start`]) and finished later ([`Self::finish`]), with other work between.
 /// Every thread of every block of the cluster must make the same sequence of calls.
 pub struct RowReducer {
-    slot: usize,
-    /// The parity of the mbarrier phase the next use of slot 0 (then of slot 1) completes.
-    phase: u32,
+    block_slot: usize,
+    /// Cluster calls so far: their mailbox slot and mbarrier phase.
+    calls: u32,
     cluster: bool,
+}
+
+/// A reduction begun by [`RowReducer::start`]: the block's totals, and where the cluster's will be.
+#[must_use]
+#[derive(Clone, Copy)]
+pub struct PendingSums {
+    block: [f32; MAX_BLOCK_SUMS],
+    slot: usize,
+    phase: u32,
+}
+
+impl PendingSums {
+    /// A placeholder for a reduction that is never finished.
+    #[inline(always)]
+    pub fn none() -> Self {
+        PendingSums {
+            block: [0.0; MAX_BLOCK_SUMS],
+            slot: 0,
+            phase: 0,
+        }
+    }
 }
 
 impl RowReducer {
@@ -72,7 +101,7 @@ impl RowReducer {
         if cluster {
             if arch::thread_idx() == 0 {
                 let shared = arch::shared_f32();
-                for slot in 0..2 {
+                for slot in 0..MAILBOX_SLOTS {
                     unsafe { shared.mbarrier_init(MAILBOX_BARRIERS + 2 * slot, 1) };
                 }
                 arch::fence_mbarrier_init();
@@ -81,8 +110,8 @@ impl RowReducer {
             arch::sync_cluster();
         }
         RowReducer {
-            slot: 0,
-            phase: 0,
+            block_slot: 0,
+            calls: 0,
             cluster,
         }
     }
@@ -97,12 +126,23 @@ impl RowReducer {
     /// was made by [`Self::new`] in this launch.
     #[inline(always)]
     pub unsafe fn sums<const N: usize>(&mut self, v: [f32; N]) -> [f32; N] {
+        unsafe {
+            let pending = self.start(v);
+            self.finish(pending)
+        }
+    }
+
+    /// The first half of [`Self::sums`]: the block's sum, and in a cluster its totals sent to
+    /// every block. Finish it with [`Self::finish`]; calls finish in the order they started, with
+    /// at most [`MAX_LEAD`] others started in between.
+    ///
+    /// # Safety
+    /// As for [`Self::sums`].
+    #[inline(always)]
+    pub unsafe fn start<const N: usize>(&mut self, v: [f32; N]) -> PendingSums {
         let shared = arch::shared_f32();
-        let (slot, phase) = (self.slot, self.phase);
-        self.slot ^= 1;
-        // Each slot's mbarrier completes one phase per use of the slot.
-        self.phase ^= slot as u32;
-        let base = BLOCK_SLOTS + slot * MAX_BLOCK_SUMS * WARP;
+        let base = BLOCK_SLOTS + self.block_slot * MAX_BLOCK_SUMS * WARP;
+        self.block_slot ^= 1;
         let tid = arch::thread_idx();
         let (lane, warp, warps) = (tid % WARP, tid / WARP, arch::block_dim() / WARP);
         let v = warp_sums(v);
@@ -119,12 +159,24 @@ impl RowReducer {
             }
         }
         let block = warp_sums(partial);
+        let mut totals = [0.0f32; MAX_BLOCK_SUMS];
+        totals[..N].copy_from_slice(&block);
         if !self.cluster {
-            return block;
+            return PendingSums {
+                block: totals,
+                slot: 0,
+                phase: 0,
+            };
         }
+        let call = self.calls;
+        self.calls = call.wrapping_add(1);
+        // Each slot's mbarrier completes one phase per use of the slot.
+        let (slot, phase) = (
+            call as usize % MAILBOX_SLOTS,
+            call / MAILBOX_SLOTS as u32 % 2,
+        );
         let (blocks, rank) = (arch::cluster_size(), arch::cluster_rank());
-        let mailbox = MAILBOXES + slot * MAX_CLUSTER * MAX_BLOCK_SUMS;
-        let barrier = MAILBOX_BARRIERS + 2 * slot;
+        let (mailbox, barrier) = Self::mailbox(slot);
         if tid == 0 {
             unsafe { shared.mbarrier_arrive_expect_tx(barrier, (4 * N * blocks) as u32) };
         }
@@ -135,15 +187,44 @@ impl RowReducer {
                 unsafe { shared.store_async_to(tid, word, *x, barrier) };
             }
         }
-        unsafe { shared.mbarrier_wait(barrier, phase) };
+        PendingSums {
+            block: totals,
+            slot,
+            phase,
+        }
+    }
+
+    /// The second half of [`Self::sums`]: waits for every block's totals and adds them.
+    ///
+    /// # Safety
+    /// As for [`Self::sums`]; `pending` is the oldest unfinished [`Self::start`] of this reducer,
+    /// which reduced `N` values.
+    #[inline(always)]
+    pub unsafe fn finish<const N: usize>(&mut self, pending: PendingSums) -> [f32; N] {
+        if !self.cluster {
+            return core::array::from_fn(|i| pending.block[i]);
+        }
+        let shared = arch::shared_f32();
+        let (mailbox, barrier) = Self::mailbox(pending.slot);
+        unsafe { shared.mbarrier_wait(barrier, pending.phase) };
         // Lane r of every warp takes block r's totals.
+        let lane = arch::thread_idx() % WARP;
         let mut partial = [0.0f32; N];
-        if lane < blocks {
+        if lane < arch::cluster_size() {
             for (i, x) in partial.iter_mut().enumerate() {
                 *x = unsafe { shared.load(mailbox + i * MAX_CLUSTER + lane) };
             }
         }
         warp_sums(partial)
+    }
+
+    /// The first word of a mailbox slot, and of its mbarrier.
+    #[inline(always)]
+    fn mailbox(slot: usize) -> (usize, usize) {
+        (
+            MAILBOXES + slot * MAX_CLUSTER * MAX_BLOCK_SUMS,
+            MAILBOX_BARRIERS + 2 * slot,
+        )
     }
 
     /// The sum of one value over the block (the cluster); see [`Self::sums`].

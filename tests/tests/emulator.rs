@@ -143,6 +143,56 @@ fn cluster_reduction_gives_every_block_the_same_sums() {
 }
 
 #[test]
+fn overlapped_cluster_reductions_come_back_in_order() {
+    // 2 clusters of 4 blocks of 32 threads; each starts a row's sums before finishing the last
+    // one's, as the backward does, for more calls than there are mailbox slots (so every slot and
+    // its mbarrier are reused, at both phase parities), with 1 or 2 values per call.
+    let calls = 3 * reduce::MAX_LEAD + 20;
+    let results = std::sync::Mutex::new(Vec::new());
+    emu::launch(
+        "overlapped_sums",
+        8,
+        32,
+        4,
+        reduce::ROW_REDUCER_SHARED_WORDS * 4,
+        &|| {
+            let mut reducer = unsafe { reduce::RowReducer::new(true) };
+            let tid = arch::cluster_rank() * arch::block_dim() + arch::thread_idx();
+            let value = |call: usize| (tid * (call + 1)) as f32;
+            // Even calls reduce one value, odd calls two (the second is 1 per thread).
+            let mut pending = unsafe { reducer.start([value(0)]) };
+            let mut sums = Vec::new();
+            for call in 1..=calls {
+                let next = match call {
+                    c if c == calls => reduce::PendingSums::none(),
+                    c if c % 2 == 0 => unsafe { reducer.start([value(c)]) },
+                    c => unsafe { reducer.start([value(c), 1.0]) },
+                };
+                if (call - 1) % 2 == 0 {
+                    sums.push(unsafe { reducer.finish::<1>(pending) }[0]);
+                } else {
+                    let [a, b] = unsafe { reducer.finish::<2>(pending) };
+                    assert_eq!(b, 128.0);
+                    sums.push(a);
+                }
+                pending = next;
+            }
+            if arch::thread_idx() == 0 {
+                results.lock().unwrap().push(sums);
+            }
+        },
+    )
+    .unwrap();
+    let results = results.into_inner().unwrap();
+    assert_eq!(results.len(), 8);
+    // Σ_{tid < 128} tid · (call + 1) = 8128 · (call + 1).
+    let expected: Vec<f32> = (0..calls).map(|c| 8128.0 * (c + 1) as f32).collect();
+    for sums in results {
+        assert_eq!(sums, expected);
+    }
+}
+
+#[test]
 fn cluster_barrier_in_divergent_code_is_reported() {
     let r = emu::launch("half_cluster", 4, 32, 2, 0, &|| {
         if arch::cluster_rank() == 0 {

@@ -867,8 +867,14 @@ fn emulator_layer_norm_without_bias_and_streaming_matches_reference() {
 #[test]
 fn emulator_rows_split_over_clusters_match_reference() {
     let mut rng = Rng::fresh("emulator_clusters");
-    // (rows, d, block limit, clusters up to): 2 × 64 threads × 4 packs; 8 × 32 × 4; streaming.
-    let shapes = [(3, 2048, 64, 2), (2, 4096, 32, 8), (3, 1100, 32, 2)];
+    // (rows, d, block limit, clusters up to): 2 × 64 threads × 4 packs; 8 × 32 × 4; streaming;
+    // 2 × 64 × 4 again over two dγ groups (16 + 4 rows), reusing every mailbox slot.
+    let shapes = [
+        (3, 2048, 64, 2),
+        (2, 4096, 32, 8),
+        (3, 1100, 32, 2),
+        (20, 2048, 64, 2),
+    ];
     for kind in [Kind::Rms, Kind::Layer { bias: true }] {
         for (i, &(rows, d, block_limit, clusters)) in shapes.iter().enumerate() {
             let emulator = |grid: Option<usize>| {
