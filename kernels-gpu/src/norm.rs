@@ -378,7 +378,7 @@ unsafe fn row_stats_regs<
         if (tid + k * threads) * len < d {
             for i in 0..len {
                 let c = S::get(&x[k], i) - mean;
-                sum_sq += c * c;
+                sum_sq = arch::fma(c, c, sum_sq);
             }
         }
     }
@@ -452,7 +452,7 @@ unsafe fn param<T: Element, const VEC: bool>(
 #[inline(always)]
 fn normalize<const CENTERED: bool>(x: f32, mean: f32, rstd: f32, gamma: f32, beta: f32) -> f32 {
     if CENTERED {
-        (x - mean) * rstd * gamma + beta
+        arch::fma((x - mean) * rstd, gamma, beta)
     } else {
         x * rstd * gamma
     }
@@ -720,24 +720,6 @@ unsafe fn start_means<const CENTERED: bool>(
     }
 }
 
-/// `(mean(dŷ), mean(dŷ·x̂))` of a row from its sums of `dŷ` and `dŷ·x̂` (RMSNorm needs only the
-/// second).
-///
-/// # Safety
-/// As for [`RowReducer::sums`].
-#[inline(always)]
-unsafe fn row_means<const CENTERED: bool>(
-    reducer: &mut RowReducer,
-    sum_dy_hat: f32,
-    dot: f32,
-    inv_d: f32,
-) -> (f32, f32) {
-    unsafe {
-        let sums = start_means::<CENTERED>(reducer, sum_dy_hat, dot);
-        finish_means::<CENTERED>(reducer, sums, inv_d)
-    }
-}
-
 /// `(mean(dŷ), mean(dŷ·x̂))` of a row from the sums [`start_means`] started.
 ///
 /// # Safety
@@ -753,6 +735,66 @@ unsafe fn finish_means<const CENTERED: bool>(
         (a * inv_d, b * inv_d)
     } else {
         (0.0, unsafe { reducer.finish::<1>(sums) }[0] * inv_d)
+    }
+}
+
+/// Pass 1 of the backward over some elements of a row: `Σ dŷ` and `Σ dŷ·(x−μ)`, the second to be
+/// scaled by rstd once per row ([`RowSums::start`]) rather than once per element.
+#[derive(Clone, Copy, Default)]
+struct RowSums {
+    dy_hat: f32,
+    dot: f32,
+}
+
+impl RowSums {
+    /// Adds one element: `dy_hat = dy·γ`, `centered = x − μ`.
+    #[inline(always)]
+    fn add(&mut self, dy_hat: f32, centered: f32) {
+        self.dy_hat += dy_hat;
+        self.dot = arch::fma(dy_hat, centered, self.dot);
+    }
+
+    /// Starts the reduction of the row's sums; `Σ dŷ·x̂ = rstd·Σ dŷ·(x−μ)`.
+    ///
+    /// # Safety
+    /// As for [`RowReducer::start`].
+    #[inline(always)]
+    unsafe fn start<const CENTERED: bool>(
+        self,
+        reducer: &mut RowReducer,
+        rstd: f32,
+    ) -> PendingSums {
+        unsafe { start_means::<CENTERED>(reducer, self.dy_hat, self.dot * rstd) }
+    }
+}
+
+/// dx of a row in two FMAs per element: `rstd·(dŷ − mean(dŷ) − x̂·mean(dŷ·x̂))` is
+/// `rstd·dŷ + (x−μ)·c + b` with `c = −rstd²·mean(dŷ·x̂)` and `b = −rstd·mean(dŷ)`.
+#[derive(Clone, Copy)]
+struct DxRow {
+    mean: f32,
+    rstd: f32,
+    c: f32,
+    b: f32,
+}
+
+impl DxRow {
+    #[inline(always)]
+    fn new((mean, rstd): (f32, f32), (mean_dy_hat, mean_dot): (f32, f32)) -> Self {
+        DxRow {
+            mean,
+            rstd,
+            c: -(rstd * rstd * mean_dot),
+            b: -(rstd * mean_dy_hat),
+        }
+    }
+
+    /// `(dx, x̂)` of one element.
+    #[inline(always)]
+    fn dx(&self, x: f32, dy_hat: f32) -> (f32, f32) {
+        let centered = x - self.mean;
+        let dx = arch::fma(self.rstd, dy_hat, arch::fma(centered, self.c, self.b));
+        (dx, centered * self.rstd)
     }
 }
 
@@ -986,17 +1028,15 @@ impl<T: Element, const VEC: bool, const VPT: usize, const CENTERED: bool, S: Row
         } else {
             *saved
         };
-        let (mut sum_dy_hat, mut dot) = (0.0f32, 0.0f32);
+        let mut sums = RowSums::default();
         for k in 0..VPT {
             let gamma = self.gamma(k);
             for i in 0..Self::LEN {
-                let dy_hat = T::get(&dy[k], i) * gamma[i];
-                sum_dy_hat += dy_hat;
                 // Accesses past d hold dy = 0, so they add nothing to either sum.
-                dot += dy_hat * ((S::get(&x[k], i) - mean) * rstd);
+                sums.add(T::get(&dy[k], i) * gamma[i], S::get(&x[k], i) - mean);
             }
         }
-        let sums = unsafe { start_means::<CENTERED>(reducer, sum_dy_hat, dot) };
+        let sums = unsafe { sums.start::<CENTERED>(reducer, rstd) };
         (x, (mean, rstd), sums)
     }
 
@@ -1016,9 +1056,11 @@ impl<T: Element, const VEC: bool, const VPT: usize, const CENTERED: bool, S: Row
         dbeta: &mut [[f32; 8]; VPT],
     ) {
         let p = self.p;
-        let (x, (mean, rstd), sums) = pass1;
+        let (x, stats, sums) = pass1;
         let (_, dy, extra, _) = loaded;
-        let (mean_dy_hat, mean_dot) = unsafe { finish_means::<CENTERED>(reducer, sums, p.inv_d) };
+        let dx_of = DxRow::new(stats, unsafe {
+            finish_means::<CENTERED>(reducer, sums, p.inv_d)
+        });
         let with_dbeta = CENTERED && p.dbeta_partials != 0;
         let dx_row = row_addr::<T>(p.dx, row, p.dx_stride);
         let src_row = self.src.row(row);
@@ -1030,18 +1072,17 @@ impl<T: Element, const VEC: bool, const VPT: usize, const CENTERED: bool, S: Row
                     unsafe { self.src.load_extra(&src_row, self.elem(k)) }
                 };
                 let gamma = self.gamma(k);
-                let mut dx: Pack = [0; 4];
+                let mut dx = [0.0f32; 8];
                 for i in 0..Self::LEN {
-                    let x_hat = (S::get(&x[k], i) - mean) * rstd;
                     let dy_i = T::get(&dy[k], i);
-                    let dy_hat = dy_i * gamma[i];
-                    let v = rstd * (dy_hat - mean_dy_hat - x_hat * mean_dot);
-                    T::set(&mut dx, i, self.src.dx(&extra, i, v));
-                    dgamma[k][i] += dy_i * x_hat;
+                    let (v, x_hat) = dx_of.dx(S::get(&x[k], i), dy_i * gamma[i]);
+                    dx[i] = self.src.dx(&extra, i, v);
+                    dgamma[k][i] = arch::fma(dy_i, x_hat, dgamma[k][i]);
                     if with_dbeta {
                         dbeta[k][i] += dy_i;
                     }
                 }
+                let dx = T::pack(&dx, Self::LEN);
                 unsafe { Access::<T, VEC>::store(dx_row, self.elem(k), &dx) };
             }
         }
@@ -1187,21 +1228,21 @@ unsafe fn backward_stream<
             } else {
                 load_stats::<CENTERED>(p, row)
             };
-            let (mut sum_dy_hat, mut dot) = (0.0f32, 0.0f32);
+            let mut sums = RowSums::default();
             let mut a = tid;
             while a < accesses {
                 let x = src.hold(&unsafe { src.load(&src_row, a * len) });
                 let dy = unsafe { Access::<T, VEC>::load(dy_row, a * len) };
                 let g = unsafe { param::<T, VEC>(p.gamma, a * len, p.params_f32, p.gamma_offset) };
                 for i in 0..len {
-                    let dy_hat = T::get(&dy, i) * g[i];
-                    sum_dy_hat += dy_hat;
-                    dot += dy_hat * ((S::get(&x, i) - mean) * rstd);
+                    sums.add(T::get(&dy, i) * g[i], S::get(&x, i) - mean);
                 }
                 a += threads;
             }
-            let (mean_dy_hat, mean_dot) =
-                unsafe { row_means::<CENTERED>(&mut reducer, sum_dy_hat, dot, p.inv_d) };
+            let dx_of = DxRow::new((mean, rstd), unsafe {
+                let sums = sums.start::<CENTERED>(&mut reducer, rstd);
+                finish_means::<CENTERED>(&mut reducer, sums, p.inv_d)
+            });
             let dx_row = row_addr::<T>(p.dx, row, p.dx_stride);
             let mut a = tid;
             while a < accesses {
@@ -1222,16 +1263,15 @@ unsafe fn backward_stream<
                         dbeta,
                     )
                 };
-                let mut dx: Pack = [0; 4];
+                let mut dx = [0.0f32; 8];
                 for i in 0..len {
-                    let x_hat = (S::get(&x, i) - mean) * rstd;
                     let dy_i = T::get(&dy, i);
-                    let v = rstd * (dy_i * g[i] - mean_dy_hat - x_hat * mean_dot);
-                    T::set(&mut dx, i, src.dx(&extra, i, v));
-                    dgamma[i] += dy_i * x_hat;
+                    let (v, x_hat) = dx_of.dx(S::get(&x, i), dy_i * g[i]);
+                    dx[i] = src.dx(&extra, i, v);
+                    dgamma[i] = arch::fma(dy_i, x_hat, dgamma[i]);
                     dbeta[i] += dy_i;
                 }
-                unsafe { Access::<T, VEC>::store(dx_row, a * len, &dx) };
+                unsafe { Access::<T, VEC>::store(dx_row, a * len, &T::pack(&dx, len)) };
                 unsafe { store_f32s::<VEC>(p.partials + offset, a * len, &dgamma, len) };
                 if with_dbeta {
                     unsafe { store_f32s::<VEC>(p.dbeta_partials + offset, a * len, &dbeta, len) };
