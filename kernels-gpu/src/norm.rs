@@ -1112,55 +1112,22 @@ unsafe fn backward_regs<
         let end = (first + p.rows_per_group as usize).min(rows);
         let mut dgamma = [[0.0f32; 8]; VPT];
         let mut dbeta = [[0.0f32; 8]; VPT];
-        if team.cluster && prefetch {
-            // A cluster's sums cross SMs, which takes long enough to leave every warp of the
-            // block waiting. So a cluster tile runs pass 1 of row r+1 (starting its sums) before
-            // it finishes row r's sums in pass 2: the exchange overlaps a pass over each of two
-            // rows. With loads one row ahead of pass 1, the block holds three rows.
-            if first < end {
-                let mut cur = unsafe { tile.load(first) };
-                let mut next = if first + 1 < end {
-                    unsafe { tile.load(first + 1) }
-                } else {
-                    BackwardTile::<T, VEC, VPT, CENTERED, S>::empty()
-                };
-                let mut started = unsafe { tile.pass1(&mut reducer, &cur) };
-                for row in first..end {
-                    let after = if row + 2 < end {
-                        unsafe { tile.load(row + 2) }
-                    } else {
-                        BackwardTile::<T, VEC, VPT, CENTERED, S>::empty()
-                    };
-                    let following = if row + 1 < end {
-                        unsafe { tile.pass1(&mut reducer, &next) }
-                    } else {
-                        (started.0, started.1, PendingSums::none())
-                    };
-                    unsafe {
-                        tile.pass2(&mut reducer, row, &cur, started, &mut dgamma, &mut dbeta)
-                    };
-                    cur = next;
-                    next = after;
-                    started = following;
-                }
-            }
-        } else {
-            let mut next = if prefetch && first < end {
-                unsafe { tile.load(first) }
+        let mut next = BackwardTile::<T, VEC, VPT, CENTERED, S>::empty();
+        if prefetch && first < end {
+            next = unsafe { tile.load(first) };
+        }
+        for row in first..end {
+            let this = if prefetch {
+                next
             } else {
-                BackwardTile::<T, VEC, VPT, CENTERED, S>::empty()
+                unsafe { tile.load(row) }
             };
-            for row in first..end {
-                let this = if prefetch {
-                    next
-                } else {
-                    unsafe { tile.load(row) }
-                };
-                if prefetch && row + 1 < end {
-                    next = unsafe { tile.load(row + 1) };
-                }
-                let started = unsafe { tile.pass1(&mut reducer, &this) };
-                unsafe { tile.pass2(&mut reducer, row, &this, started, &mut dgamma, &mut dbeta) };
+            if prefetch && row + 1 < end {
+                next = unsafe { tile.load(row + 1) };
+            }
+            unsafe {
+                let pass1 = tile.pass1(&mut reducer, &this);
+                tile.pass2(&mut reducer, row, &this, pass1, &mut dgamma, &mut dbeta);
             }
         }
         let len = BackwardTile::<T, VEC, VPT, CENTERED, S>::LEN;

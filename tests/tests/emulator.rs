@@ -144,10 +144,11 @@ fn cluster_reduction_gives_every_block_the_same_sums() {
 
 #[test]
 fn overlapped_cluster_reductions_come_back_in_order() {
-    // 2 clusters of 4 blocks of 32 threads; each starts a row's sums before finishing the last
-    // one's, as the backward does, for more calls than there are mailbox slots (so every slot and
-    // its mbarrier are reused, at both phase parities), with 1 or 2 values per call.
-    let calls = 3 * reduce::MAX_LEAD + 20;
+    // 2 clusters of 4 blocks of 32 threads; each starts the next call before finishing the last
+    // (the most lead the reducer allows), for many more calls than there are mailbox slots (so
+    // every slot and its mbarrier are reused, at both phase parities), with 1 or 2 values per call.
+    assert_eq!(reduce::MAX_LEAD, 1);
+    let calls = 21;
     let results = std::sync::Mutex::new(Vec::new());
     emu::launch(
         "overlapped_sums",
@@ -160,23 +161,30 @@ fn overlapped_cluster_reductions_come_back_in_order() {
             let tid = arch::cluster_rank() * arch::block_dim() + arch::thread_idx();
             let value = |call: usize| (tid * (call + 1)) as f32;
             // Even calls reduce one value, odd calls two (the second is 1 per thread).
-            let mut pending = unsafe { reducer.start([value(0)]) };
-            let mut sums = Vec::new();
-            for call in 1..=calls {
-                let next = match call {
-                    c if c == calls => reduce::PendingSums::none(),
-                    c if c % 2 == 0 => unsafe { reducer.start([value(c)]) },
-                    c => unsafe { reducer.start([value(c), 1.0]) },
-                };
-                if (call - 1) % 2 == 0 {
-                    sums.push(unsafe { reducer.finish::<1>(pending) }[0]);
+            let start = |reducer: &mut reduce::RowReducer, call: usize| unsafe {
+                if call.is_multiple_of(2) {
+                    reducer.start([value(call)])
                 } else {
-                    let [a, b] = unsafe { reducer.finish::<2>(pending) };
-                    assert_eq!(b, 128.0);
-                    sums.push(a);
+                    reducer.start([value(call), 1.0])
                 }
+            };
+            let finish = |reducer: &mut reduce::RowReducer, call: usize, pending| unsafe {
+                if call.is_multiple_of(2) {
+                    reducer.finish::<1>(pending)[0]
+                } else {
+                    let [a, b] = reducer.finish::<2>(pending);
+                    assert_eq!(b, 128.0);
+                    a
+                }
+            };
+            let mut pending = start(&mut reducer, 0);
+            let mut sums = Vec::new();
+            for call in 1..calls {
+                let next = start(&mut reducer, call);
+                sums.push(finish(&mut reducer, call - 1, pending));
                 pending = next;
             }
+            sums.push(finish(&mut reducer, calls - 1, pending));
             if arch::thread_idx() == 0 {
                 results.lock().unwrap().push(sums);
             }

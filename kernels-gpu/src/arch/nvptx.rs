@@ -198,7 +198,8 @@ impl SharedF32 {
                 "cvta.to.shared.u64 s, {p};",
                 "cvt.u32.u64 {a}, s;",
                 "}}",
-                p = in(reg64) self.0.add(i),
+                // An address computation, not an access: passed as an integer.
+                p = in(reg64) self.0.add(i) as u64,
                 a = out(reg32) a,
                 options(pure, nomem, nostack, preserves_flags)
             );
