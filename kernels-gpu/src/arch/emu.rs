@@ -76,28 +76,49 @@ impl Barrier {
             self.cv.notify_all();
             return;
         }
-        let deadline = std::time::Instant::now() + STUCK_AFTER;
-        while st.1 == generation {
-            if cluster.poisoned.load(Ordering::SeqCst) {
-                panic!("another thread of the cluster failed");
-            }
-            let now = std::time::Instant::now();
-            if now >= deadline {
-                cluster.poisoned.store(true, Ordering::SeqCst);
-                self.cv.notify_all();
-                panic!(
+        wait_while(
+            cluster,
+            &self.cv,
+            st,
+            |st| st.1 == generation,
+            |_| {
+                std::format!(
                     "{what} not reached by all {} threads within {:?} (block {block}; a barrier \
                      or shuffle inside divergent control flow?)",
-                    self.n, STUCK_AFTER
-                );
-            }
-            let step = (deadline - now).min(Duration::from_millis(50));
-            st = self
-                .cv
-                .wait_timeout(st, step)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+                    self.n,
+                    STUCK_AFTER
+                )
+            },
+        );
+    }
+}
+
+/// Waits on `cv` while `blocked(state)`, giving up (poisoning the cluster, so its other threads
+/// stop too) after [`STUCK_AFTER`] with the message `stuck(state)`, or when another thread of the
+/// cluster has failed.
+fn wait_while<T>(
+    cluster: &Cluster,
+    cv: &Condvar,
+    mut state: std::sync::MutexGuard<'_, T>,
+    blocked: impl Fn(&T) -> bool,
+    stuck: impl Fn(&T) -> String,
+) {
+    let deadline = std::time::Instant::now() + STUCK_AFTER;
+    while blocked(&state) {
+        if cluster.poisoned.load(Ordering::SeqCst) {
+            panic!("another thread of the cluster failed");
         }
+        let now = std::time::Instant::now();
+        if now >= deadline {
+            cluster.poisoned.store(true, Ordering::SeqCst);
+            cv.notify_all();
+            panic!("{}", stuck(&state));
+        }
+        let step = (deadline - now).min(Duration::from_millis(50));
+        state = cv
+            .wait_timeout(state, step)
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
     }
 }
 
@@ -306,34 +327,25 @@ impl SharedF32 {
     pub unsafe fn mbarrier_wait(self, i: usize, parity: u32) {
         let (cluster, rank) = with_ctx(|c| (c.cluster.clone(), c.rank));
         let block = &cluster.blocks[rank];
-        let deadline = std::time::Instant::now() + STUCK_AFTER;
-        let mut bars = block.mbarriers.lock().unwrap_or_else(|e| e.into_inner());
-        loop {
-            let Some(bar) = bars.get(&i) else {
-                panic!("mbarrier wait on word {i}, which holds no initialized mbarrier")
-            };
-            if bar.phase % 2 != parity {
-                return;
-            }
-            if cluster.poisoned.load(Ordering::SeqCst) {
-                panic!("another thread of the cluster failed");
-            }
-            let now = std::time::Instant::now();
-            if now >= deadline {
-                cluster.poisoned.store(true, Ordering::SeqCst);
-                panic!(
+        let bars = block.mbarriers.lock().unwrap_or_else(|e| e.into_inner());
+        let phase = |bars: &BTreeMap<usize, Mbarrier>| match bars.get(&i) {
+            Some(bar) => bar.phase,
+            None => panic!("mbarrier wait on word {i}, which holds no initialized mbarrier"),
+        };
+        wait_while(
+            &cluster,
+            &block.mbarrier_changed,
+            bars,
+            |bars| phase(bars) % 2 == parity,
+            |bars| {
+                std::format!(
                     "mbarrier at word {i} did not complete its phase {} within {STUCK_AFTER:?} \
                      (block {}; an arrival or asynchronous store missing?)",
-                    bar.phase, block.idx
-                );
-            }
-            let step = (deadline - now).min(Duration::from_millis(50));
-            bars = block
-                .mbarrier_changed
-                .wait_timeout(bars, step)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+                    phase(bars),
+                    block.idx
+                )
+            },
+        );
     }
 
     /// Stores into block `rank`'s word `i`, then counts 4 bytes against its mbarrier.
