@@ -703,41 +703,6 @@ pub unsafe fn backward<
     team.finish();
 }
 
-/// Starts the sums of `dŷ` and `dŷ·x̂` over a row (RMSNorm needs only the second).
-///
-/// # Safety
-/// As for [`RowReducer::start`].
-#[inline(always)]
-unsafe fn start_means<const CENTERED: bool>(
-    reducer: &mut RowReducer,
-    sum_dy_hat: f32,
-    dot: f32,
-) -> PendingSums {
-    if CENTERED {
-        unsafe { reducer.start([sum_dy_hat, dot]) }
-    } else {
-        unsafe { reducer.start([dot]) }
-    }
-}
-
-/// `(mean(dŷ), mean(dŷ·x̂))` of a row from the sums [`start_means`] started.
-///
-/// # Safety
-/// As for [`RowReducer::finish`].
-#[inline(always)]
-unsafe fn finish_means<const CENTERED: bool>(
-    reducer: &mut RowReducer,
-    sums: PendingSums,
-    inv_d: f32,
-) -> (f32, f32) {
-    if CENTERED {
-        let [a, b] = unsafe { reducer.finish(sums) };
-        (a * inv_d, b * inv_d)
-    } else {
-        (0.0, unsafe { reducer.finish::<1>(sums) }[0] * inv_d)
-    }
-}
-
 /// Pass 1 of the backward over some elements of a row: `Σ dŷ` and `Σ dŷ·(x−μ)`, the second to be
 /// scaled by rstd once per row ([`RowSums::start`]) rather than once per element.
 #[derive(Clone, Copy, Default)]
@@ -754,7 +719,8 @@ impl RowSums {
         self.dot = arch::fma(dy_hat, centered, self.dot);
     }
 
-    /// Starts the reduction of the row's sums; `Σ dŷ·x̂ = rstd·Σ dŷ·(x−μ)`.
+    /// Starts the reduction of the row's sums (RMSNorm needs only the second);
+    /// `Σ dŷ·x̂ = rstd·Σ dŷ·(x−μ)`.
     ///
     /// # Safety
     /// As for [`RowReducer::start`].
@@ -764,7 +730,30 @@ impl RowSums {
         reducer: &mut RowReducer,
         rstd: f32,
     ) -> PendingSums {
-        unsafe { start_means::<CENTERED>(reducer, self.dy_hat, self.dot * rstd) }
+        let dot = self.dot * rstd;
+        if CENTERED {
+            unsafe { reducer.start([self.dy_hat, dot]) }
+        } else {
+            unsafe { reducer.start([dot]) }
+        }
+    }
+
+    /// `(mean(dŷ), mean(dŷ·x̂))` of a row from the sums [`Self::start`] started.
+    ///
+    /// # Safety
+    /// As for [`RowReducer::finish`].
+    #[inline(always)]
+    unsafe fn means<const CENTERED: bool>(
+        reducer: &mut RowReducer,
+        sums: PendingSums,
+        inv_d: f32,
+    ) -> (f32, f32) {
+        if CENTERED {
+            let [a, b] = unsafe { reducer.finish(sums) };
+            (a * inv_d, b * inv_d)
+        } else {
+            (0.0, unsafe { reducer.finish::<1>(sums) }[0] * inv_d)
+        }
     }
 }
 
@@ -950,6 +939,12 @@ impl<T: Element, const VEC: bool, const VPT: usize, const CENTERED: bool, S: Row
         tile
     }
 
+    /// LayerNorm with a dβ to compute.
+    #[inline(always)]
+    fn with_dbeta(&self) -> bool {
+        CENTERED && self.p.dbeta_partials != 0
+    }
+
     /// The first element of this thread's access `k`.
     #[inline(always)]
     fn elem(&self, k: usize) -> usize {
@@ -1059,9 +1054,9 @@ impl<T: Element, const VEC: bool, const VPT: usize, const CENTERED: bool, S: Row
         let (x, stats, sums) = pass1;
         let (_, dy, extra, _) = loaded;
         let dx_of = DxRow::new(stats, unsafe {
-            finish_means::<CENTERED>(reducer, sums, p.inv_d)
+            RowSums::means::<CENTERED>(reducer, sums, p.inv_d)
         });
-        let with_dbeta = CENTERED && p.dbeta_partials != 0;
+        let with_dbeta = self.with_dbeta();
         let dx_row = row_addr::<T>(p.dx, row, p.dx_stride);
         let src_row = self.src.row(row);
         for k in 0..VPT {
@@ -1104,7 +1099,7 @@ unsafe fn backward_regs<
     let mut reducer = unsafe { RowReducer::new(team.cluster) };
     let tile = unsafe { BackwardTile::<T, VEC, VPT, CENTERED, S>::new(p, src, team) };
     let (d, rows) = (tile.d, p.rows as usize);
-    let with_dbeta = CENTERED && p.dbeta_partials != 0;
+    let with_dbeta = tile.with_dbeta();
     let prefetch = tile.prefetch;
     let mut group = team.first;
     while group < p.groups as usize {
@@ -1208,7 +1203,7 @@ unsafe fn backward_stream<
             }
             let dx_of = DxRow::new((mean, rstd), unsafe {
                 let sums = sums.start::<CENTERED>(&mut reducer, rstd);
-                finish_means::<CENTERED>(&mut reducer, sums, p.inv_d)
+                RowSums::means::<CENTERED>(&mut reducer, sums, p.inv_d)
             });
             let dx_row = row_addr::<T>(p.dx, row, p.dx_stride);
             let mut a = tid;
@@ -1257,12 +1252,14 @@ unsafe fn backward_stream<
 macro_rules! norm_families {
     ($($family:literal: $name:ident, $cluster:ident
         => $body:ident::<$centered:literal, $residual:literal>($params:ty) $(, $mode:ident)?;)*) => {$(
+        #[cfg(target_arch = "nvptx64")]
         #[inline(always)]
         unsafe fn $name<T: Element, const VEC: bool, const VPT: usize>(p: &$params) {
             unsafe { $body::<T, VEC, VPT, $centered, $residual, false>(p) }
         }
         // The sm_80 build compiles it for nothing: only the sm_90 build exports it.
-        #[cfg_attr(all(target_arch = "nvptx64", not(target_feature = "sm_90")), allow(dead_code))]
+        #[cfg(target_arch = "nvptx64")]
+        #[cfg_attr(not(target_feature = "sm_90"), allow(dead_code))]
         #[inline(always)]
         unsafe fn $cluster<T: Element, const VEC: bool, const VPT: usize>(p: &$params) {
             unsafe { $body::<T, VEC, VPT, $centered, $residual, true>(p) }
@@ -1330,6 +1327,30 @@ impl BackwardParams {
     }
 }
 
+/// The instance of `$body` (`forward` or `backward`) for a variant's norm, residual fusion and
+/// cluster, then dtype and tile: the emulator's twin of the exported entry points.
+#[cfg(not(target_arch = "nvptx64"))]
+macro_rules! select_norm_body {
+    ($body:ident, $params:ty, $norm:expr, $residual:expr, $v:expr) => {
+        select_norm_body!(@arms $body, $params, $v, ($norm, $residual, $v.cluster);
+            (Rms, false, false, false), (Layer, true, false, false),
+            (Rms, false, true, false), (Layer, true, true, false),
+            (Rms, false, false, true), (Layer, true, false, true),
+            (Rms, false, true, true), (Layer, true, true, true))
+    };
+    (@arms $body:ident, $params:ty, $v:expr, $key:expr;
+        $(($norm:ident, $centered:literal, $residual:literal, $cluster:literal)),*) => {
+        match $key {
+            $((Norm::$norm, $residual, $cluster) => {
+                unsafe fn body<T: Element, const VEC: bool, const VPT: usize>(p: &$params) {
+                    unsafe { $body::<T, VEC, VPT, $centered, $residual, $cluster>(p) }
+                }
+                crate::variant::select_family!($v, $params, body)
+            })*
+        }
+    };
+}
+
 /// The forward body a variant names, for the emulator.
 #[cfg(not(target_arch = "nvptx64"))]
 pub fn forward_body(
@@ -1337,17 +1358,7 @@ pub fn forward_body(
     residual: bool,
     v: crate::variant::Variant,
 ) -> unsafe fn(&ForwardParams) {
-    use crate::variant::select_family;
-    match (norm, residual, v.cluster) {
-        (Norm::Rms, false, false) => select_family!(v, ForwardParams, rms_forward),
-        (Norm::Layer, false, false) => select_family!(v, ForwardParams, layer_forward),
-        (Norm::Rms, true, false) => select_family!(v, ForwardParams, rms_forward_res),
-        (Norm::Layer, true, false) => select_family!(v, ForwardParams, layer_forward_res),
-        (Norm::Rms, false, true) => select_family!(v, ForwardParams, rms_forward_cluster),
-        (Norm::Layer, false, true) => select_family!(v, ForwardParams, layer_forward_cluster),
-        (Norm::Rms, true, true) => select_family!(v, ForwardParams, rms_forward_res_cluster),
-        (Norm::Layer, true, true) => select_family!(v, ForwardParams, layer_forward_res_cluster),
-    }
+    select_norm_body!(forward, ForwardParams, norm, residual, v)
 }
 
 /// The backward body a variant names, for the emulator.
@@ -1357,17 +1368,5 @@ pub fn backward_body(
     residual: bool,
     v: crate::variant::Variant,
 ) -> unsafe fn(&BackwardParams) {
-    use crate::variant::select_family;
-    match (norm, residual, v.cluster) {
-        (Norm::Rms, false, false) => select_family!(v, BackwardParams, rms_backward),
-        (Norm::Layer, false, false) => select_family!(v, BackwardParams, layer_backward),
-        (Norm::Rms, true, false) => select_family!(v, BackwardParams, rms_backward_res),
-        (Norm::Layer, true, false) => select_family!(v, BackwardParams, layer_backward_res),
-        (Norm::Rms, false, true) => select_family!(v, BackwardParams, rms_backward_cluster),
-        (Norm::Layer, false, true) => select_family!(v, BackwardParams, layer_backward_cluster),
-        (Norm::Rms, true, true) => select_family!(v, BackwardParams, rms_backward_res_cluster),
-        (Norm::Layer, true, true) => {
-            select_family!(v, BackwardParams, layer_backward_res_cluster)
-        }
-    }
+    select_norm_body!(backward, BackwardParams, norm, residual, v)
 }
