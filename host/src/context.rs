@@ -4,7 +4,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK;
+use cudarc::driver::sys::CUfunction_attribute_enum::{
+    CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
+};
 use cudarc::driver::sys::{self, CUdevice_attribute};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -15,7 +17,7 @@ use normkern_gpu::norm::Norm;
 use normkern_gpu::variant::{ActVariant, Dtype, EntryName, TILES, Variant, act, tiles};
 
 use crate::error::{Error, Result};
-use crate::launch::{Executor, Kernel, Shape};
+use crate::launch::{Executor, Kernel, OPT_IN_SHARED_BYTES, Shape};
 
 /// PTX built by `cargo xtask build-ptx`, one per target architecture, newest first.
 const PTX: [(u32, &str); 2] = [
@@ -78,6 +80,7 @@ impl Context {
             .load_module(Ptx::from_src(ptx))
             .map_err(Error::driver("cuModuleLoadData"))?;
         let mut names: Vec<EntryName> = Vec::new();
+        let mut staged: Vec<EntryName> = Vec::new();
         for dtype in DTYPES {
             names.extend(DTYPE_FAMILIES.iter().map(|f| EntryName::new(f, dtype)));
             for (norm, residual) in Norm::ALL.iter().flat_map(|&n| [(n, false), (n, true)]) {
@@ -102,6 +105,9 @@ impl Context {
                             cluster: true,
                         };
                         names.extend([v.entry_name(fwd), v.entry_name(bwd)]);
+                        if normkern_gpu::norm::staged(true, residual, vpt) {
+                            staged.push(v.entry_name(bwd));
+                        }
                     }
                 }
             }
@@ -119,6 +125,14 @@ impl Context {
                 .load_function(name.as_str())
                 .map_err(Error::driver("cuModuleGetFunction"))?;
             functions.insert(name.as_str().to_owned(), f);
+        }
+        for name in staged {
+            functions[name.as_str()]
+                .set_attribute(
+                    CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    OPT_IN_SHARED_BYTES as i32,
+                )
+                .map_err(Error::driver("cuFuncSetAttribute"))?;
         }
         let sm_count = cuda
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)

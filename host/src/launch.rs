@@ -32,22 +32,42 @@ impl Kernel {
     /// Dynamic shared memory of one block of `threads` threads of a row kernel.
     pub(crate) fn row_shared_bytes(&self, threads: usize) -> usize {
         match self {
-            Kernel::NormBackward(n, v, _) => norm::backward_shared_bytes(*n, v.vpt, threads),
+            Kernel::NormBackward(n, v, _) => {
+                norm::backward_shared_bytes(*n, v.vpt, threads, self.staged())
+            }
             _ => ROW_KERNEL_SHARED_BYTES,
         }
     }
 
-    /// The most threads (a multiple of 32) a block of this row kernel may have within the
-    /// dynamic shared memory every kernel gets without opting in (48 KiB).
-    pub(crate) fn threads_within_shared(&self) -> usize {
-        const DEFAULT_SHARED_LIMIT: usize = 48 * 1024;
-        let base = self.row_shared_bytes(0);
-        match self.row_shared_bytes(1) - base {
-            0 => 1024,
-            per_thread => DEFAULT_SHARED_LIMIT.saturating_sub(base) / per_thread / 32 * 32,
+    /// Whether the kernel stages rows through shared memory beyond the default 48 KiB, which its
+    /// function must opt into (the context does so when it loads it).
+    pub(crate) fn staged(&self) -> bool {
+        match self {
+            Kernel::NormBackward(_, v, p) => norm::staged(v.cluster, p.residual_family(), v.vpt),
+            _ => false,
         }
     }
+
+    /// The most threads (a multiple of 32, at most 1024) a block of this row kernel may have
+    /// within its dynamic shared memory: 48 KiB (what every kernel gets without opting in), or
+    /// for [`Self::staged`] kernels [`OPT_IN_SHARED_BYTES`].
+    pub(crate) fn threads_within_shared(&self) -> usize {
+        let limit = if self.staged() {
+            OPT_IN_SHARED_BYTES
+        } else {
+            48 * 1024
+        };
+        (32..=1024)
+            .step_by(32)
+            .take_while(|&threads| self.row_shared_bytes(threads) <= limit)
+            .last()
+            .unwrap_or(0)
+    }
 }
+
+/// Dynamic shared memory a block may opt into on sm_90 (H100, H200), the only architecture
+/// with [`Kernel::staged`] kernels.
+pub(crate) const OPT_IN_SHARED_BYTES: usize = 227 * 1024;
 
 /// Grid, block, cluster and dynamic shared memory of one launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -216,7 +236,11 @@ const MIN_ROWS_PER_GROUP: usize = 16;
 /// `(rows_per_group, groups)` for `rows` rows: a function of the row count alone, which is what
 /// makes the dγ/dβ sums the same bits on every grid and every GPU.
 pub fn group_layout(rows: usize) -> (usize, usize) {
-    let per_group = rows.div_ceil(MAX_GROUPS).max(MIN_ROWS_PER_GROUP);
+    let min = std::env::var("NORMKERN_MIN_ROWS_PER_GROUP")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(MIN_ROWS_PER_GROUP);
+    let per_group = rows.div_ceil(MAX_GROUPS).max(min);
     (per_group, rows.div_ceil(per_group))
 }
 

@@ -694,6 +694,9 @@ pub unsafe fn backward<
             (true, true) => {
                 backward_stream::<T, VEC, CENTERED, _>(p, ResidualBackward::new(p), team)
             }
+            (false, false) if staged(CLUSTER, RESIDUAL, VPT) => {
+                backward_staged::<T, VEC, VPT, CENTERED>(p, plain, team)
+            }
             (false, false) => backward_regs::<T, VEC, VPT, CENTERED, _>(p, plain, team),
             (false, true) => {
                 backward_regs::<T, VEC, VPT, CENTERED, _>(p, ResidualBackward::new(p), team)
@@ -811,13 +814,32 @@ pub const fn gamma_in_shared(centered: bool, vpt: usize) -> bool {
     centered && vpt >= 2
 }
 
-/// Dynamic shared memory of a backward block of `threads` threads with `vpt` accesses each:
-/// the reducer's words, then γ where [`gamma_in_shared`].
-pub const fn backward_shared_bytes(norm: Norm, vpt: usize, threads: usize) -> usize {
-    let words = if gamma_in_shared(matches!(norm, Norm::Layer), vpt) {
+/// Whether a backward instance stages its rows through shared memory ([`StagedRows`]): the
+/// plain register tiles of a cluster. A row there is shared by 8 blocks whose reductions wait on
+/// each other, so every row waits for the slowest block's loads; rows in flight several deep
+/// absorb that, which one prefetched row in registers did not.
+pub const fn staged(cluster: bool, residual: bool, vpt: usize) -> bool {
+    cluster && !residual && vpt != crate::variant::STREAM
+}
+
+/// The first word past the reducer's and γ's ([`gamma_in_shared`]) of a backward block of
+/// `threads` threads with `vpt` accesses each.
+const fn gamma_end(centered: bool, vpt: usize, threads: usize) -> usize {
+    if gamma_in_shared(centered, vpt) {
         SharedGamma::BASE + vpt * threads * 8
     } else {
         ROW_REDUCER_SHARED_WORDS
+    }
+}
+
+/// Dynamic shared memory of a backward block of `threads` threads with `vpt` accesses each:
+/// the reducer's words, γ where [`gamma_in_shared`], and the rows in flight where [`staged`].
+pub const fn backward_shared_bytes(norm: Norm, vpt: usize, threads: usize, staged: bool) -> usize {
+    let centered = matches!(norm, Norm::Layer);
+    let words = if staged {
+        staged_words_end(gamma_end(centered, vpt, threads), vpt, threads)
+    } else {
+        gamma_end(centered, vpt, threads)
     };
     words * 4
 }
@@ -1084,6 +1106,239 @@ impl<T: Element, const VEC: bool, const VPT: usize, const CENTERED: bool, S: Row
     }
 }
 
+impl<T: Element, const VEC: bool, const VPT: usize, const CENTERED: bool, S: RowSource<T, VEC>>
+    BackwardTile<'_, T, VEC, VPT, CENTERED, S>
+{
+    /// Writes a group's dγ (and dβ) partials: row `group` of each workspace.
+    ///
+    /// # Safety
+    /// `group` is below the launch's `groups`.
+    #[inline(always)]
+    unsafe fn store_partials(
+        &self,
+        group: usize,
+        dgamma: &[[f32; 8]; VPT],
+        dbeta: &[[f32; 8]; VPT],
+    ) {
+        let p = self.p;
+        let offset = (group * self.d * 4) as u64;
+        for k in 0..VPT {
+            if self.elem(k) < self.d {
+                let elem = self.elem(k);
+                unsafe { store_f32s::<VEC>(p.partials + offset, elem, &dgamma[k], Self::LEN) };
+                if self.with_dbeta() {
+                    unsafe {
+                        store_f32s::<VEC>(p.dbeta_partials + offset, elem, &dbeta[k], Self::LEN)
+                    };
+                }
+            }
+        }
+    }
+}
+
+/// The team's row `n` places after `row` of its group ending at `end`: within the group, or
+/// (for `n` at most a group's rows) within the team's next group, `next_first..next_end`.
+#[inline(always)]
+fn row_ahead(
+    row: usize,
+    n: usize,
+    end: usize,
+    (next_first, next_end): (usize, usize),
+) -> Option<usize> {
+    if row + n < end {
+        Some(row + n)
+    } else {
+        let next = next_first + (row + n - end);
+        (next < next_end).then_some(next)
+    }
+}
+
+/// Rows in flight per block of a [`staged`] backward. Each holds the block's share of x and dy
+/// (at 4 packs × 256 threads, 32 KiB); four keep three rows loading while one is worked on.
+pub const STAGES: usize = 4;
+
+/// The end of a [`StagedRows`] ring that follows `start` words: the stages, 128-byte aligned
+/// (x and dy, `vpt` accesses of 16 bytes per thread each), then one mbarrier per stage.
+const fn staged_words_end(start: usize, vpt: usize, threads: usize) -> usize {
+    start.next_multiple_of(32) + STAGES * 2 * vpt * threads * 4 + 2 * STAGES
+}
+
+/// A ring of [`STAGES`] rows in shared memory, filled by the copy engine
+/// ([`arch::SharedF32::bulk_copy_from`]) and drained into registers by every thread. One thread
+/// fills; each stage's mbarrier counts the bytes of its row, and its phase says which row.
+///
+/// A block's accesses `k` cover `block · LEN` consecutive elements of the row (the team's threads
+/// are the blocks' in rank order), so each is one bulk copy per operand, and thread t's pack sits
+/// at 16·t bytes into it: a warp's shared loads take consecutive 16 bytes, no bank conflicts.
+struct StagedRows<T: Element, const VPT: usize> {
+    /// Word of stage 0, x's first access.
+    base: usize,
+    /// Word of stage 0's mbarrier.
+    barriers: usize,
+    /// Words of one access of one operand: `block · 4`.
+    access_words: usize,
+    /// This block's first element of access 0, and the team's elements per access.
+    first: usize,
+    team_elems: usize,
+    d: usize,
+    element: core::marker::PhantomData<T>,
+}
+
+impl<T: Element, const VPT: usize> StagedRows<T, VPT> {
+    /// A ring after the block's first `start` words; thread 0 makes its mbarriers.
+    ///
+    /// # Safety
+    /// Every thread of the block calls it, before [`RowReducer::new`] (whose cluster barrier
+    /// publishes the mbarriers); the launch provides [`staged_words_end`] words.
+    #[inline(always)]
+    unsafe fn new(start: usize, team: Team, d: usize) -> Self {
+        let block = arch::block_dim();
+        let len = Access::<T, true>::LEN;
+        let base = start.next_multiple_of(32);
+        let ring = StagedRows {
+            base,
+            barriers: base + STAGES * 2 * VPT * block * 4,
+            access_words: block * 4,
+            first: (team.tid - arch::thread_idx()) * len,
+            team_elems: team.threads * len,
+            d,
+            element: core::marker::PhantomData,
+        };
+        if arch::thread_idx() == 0 {
+            for stage in 0..STAGES {
+                unsafe { arch::shared_f32().mbarrier_init(ring.barriers + 2 * stage, 1) };
+            }
+        }
+        ring
+    }
+
+    /// The first word of access `k` of `operand` (0: x, 1: dy) in `stage`.
+    #[inline(always)]
+    fn word(&self, stage: usize, operand: usize, k: usize) -> usize {
+        self.base + ((stage * 2 + operand) * VPT + k) * self.access_words
+    }
+
+    /// Starts copying the team's `i`-th row, `row`, into its stage. Called by thread 0 only,
+    /// once every thread has read the stage's previous row.
+    ///
+    /// # Safety
+    /// `row` is below `rows`; the rows are 16-byte aligned with `d` a multiple of the pack.
+    #[inline(always)]
+    unsafe fn fill(&self, p: &BackwardParams, i: usize, row: usize) {
+        let shared = arch::shared_f32();
+        let stage = i % STAGES;
+        let barrier = self.barriers + 2 * stage;
+        let x_row = row_addr::<T>(p.x, row, p.x_stride);
+        let dy_row = row_addr::<T>(p.dy, row, p.dy_stride);
+        // Each access's span, cut at d (a multiple of the pack, so of 16 bytes).
+        let span = |k: usize| {
+            let elem = self.first + k * self.team_elems;
+            let elems = self
+                .d
+                .saturating_sub(elem)
+                .min(self.access_words / 4 * 16 / T::BYTES);
+            (elem, (elems * T::BYTES) as u32)
+        };
+        let mut bytes = 0;
+        for k in 0..VPT {
+            bytes += span(k).1;
+        }
+        unsafe { shared.mbarrier_arrive_expect_tx(barrier, 2 * bytes) };
+        for k in 0..VPT {
+            let (elem, n) = span(k);
+            if n > 0 {
+                let offset = (elem * T::BYTES) as u64;
+                unsafe {
+                    shared.bulk_copy_from(self.word(stage, 0, k), x_row + offset, n, barrier);
+                    shared.bulk_copy_from(self.word(stage, 1, k), dy_row + offset, n, barrier);
+                }
+            }
+        }
+    }
+
+    /// Waits for the team's `i`-th row and reads this thread's accesses of it into registers.
+    ///
+    /// # Safety
+    /// [`Self::fill`] started row `i`; rows before it were taken in order.
+    #[inline(always)]
+    unsafe fn take(&self, i: usize, elem: impl Fn(usize) -> usize) -> ([Pack; VPT], [Pack; VPT]) {
+        let shared = arch::shared_f32();
+        let stage = i % STAGES;
+        unsafe { shared.mbarrier_wait(self.barriers + 2 * stage, (i / STAGES % 2) as u32) };
+        let own = arch::thread_idx() * 4;
+        let mut x: [Pack; VPT] = [[0; 4]; VPT];
+        let mut dy: [Pack; VPT] = [[0; 4]; VPT];
+        for k in 0..VPT {
+            if elem(k) < self.d {
+                x[k] = unsafe { shared.load4(self.word(stage, 0, k) + own) }.map(f32::to_bits);
+                dy[k] = unsafe { shared.load4(self.word(stage, 1, k) + own) }.map(f32::to_bits);
+            }
+        }
+        (x, dy)
+    }
+}
+
+/// The [`staged`] backward: as [`backward_regs`], with the rows arriving through [`StagedRows`]
+/// instead of one prefetched row in registers.
+#[inline(always)]
+unsafe fn backward_staged<T: Element, const VEC: bool, const VPT: usize, const CENTERED: bool>(
+    p: &BackwardParams,
+    src: Plain,
+    team: Team,
+) {
+    let d = p.d as usize;
+    let ring =
+        unsafe { StagedRows::<T, VPT>::new(gamma_end(CENTERED, VPT, arch::block_dim()), team, d) };
+    let mut reducer = unsafe { RowReducer::new(team.cluster) };
+    let tile = unsafe { BackwardTile::<T, VEC, VPT, CENTERED, Plain>::new(p, src, team) };
+    let (per_group, rows) = (p.rows_per_group as usize, p.rows as usize);
+    let group_rows = |group: usize| {
+        let first = group * per_group;
+        (first, (first + per_group).min(rows))
+    };
+    let filler = arch::thread_idx() == 0;
+    let mut group = team.first;
+    let (first, end) = group_rows(group);
+    // A group has at least `STAGES` rows unless it is the last of all (`MIN_ROWS_PER_GROUP`).
+    if filler {
+        for (i, row) in (first..end.max(first)).take(STAGES).enumerate() {
+            unsafe { ring.fill(p, i, row) };
+        }
+    }
+    let mut next_stats = (0.0, 0.0);
+    if first < end {
+        next_stats = load_stats::<CENTERED>(p, first);
+    }
+    let mut i = 0;
+    while group < p.groups as usize {
+        let (first, end) = group_rows(group);
+        let next_group = group_rows(group + team.stride);
+        let mut dgamma = [[0.0f32; 8]; VPT];
+        let mut dbeta = [[0.0f32; 8]; VPT];
+        for row in first..end {
+            // The statistics are a row ahead in registers, as the rows are in the ring.
+            let stats = next_stats;
+            if let Some(next) = row_ahead(row, 1, end, next_group) {
+                next_stats = load_stats::<CENTERED>(p, next);
+            }
+            let (x, dy) = unsafe { ring.take(i, |k| tile.elem(k)) };
+            let this = (x, dy, [(); VPT], stats);
+            unsafe {
+                let pass1 = tile.pass1(&mut reducer, &this);
+                // Pass 1 ended in a block barrier (its reduction), after every thread had read
+                // this row's stage: the stage can take the row `STAGES` ahead.
+                if filler && let Some(next) = row_ahead(row, STAGES, end, next_group) {
+                    ring.fill(p, i + STAGES, next);
+                }
+                tile.pass2(&mut reducer, row, &this, pass1, &mut dgamma, &mut dbeta);
+            }
+            i += 1;
+        }
+        unsafe { tile.store_partials(group, &dgamma, &dbeta) };
+        group += team.stride;
+    }
+}
+
 #[inline(always)]
 unsafe fn backward_regs<
     T: Element,
@@ -1098,8 +1353,7 @@ unsafe fn backward_regs<
 ) {
     let mut reducer = unsafe { RowReducer::new(team.cluster) };
     let tile = unsafe { BackwardTile::<T, VEC, VPT, CENTERED, S>::new(p, src, team) };
-    let (d, rows) = (tile.d, p.rows as usize);
-    let with_dbeta = tile.with_dbeta();
+    let rows = p.rows as usize;
     let prefetch = tile.prefetch;
     let mut group = team.first;
     while group < p.groups as usize {
@@ -1125,18 +1379,7 @@ unsafe fn backward_regs<
                 tile.pass2(&mut reducer, row, &this, pass1, &mut dgamma, &mut dbeta);
             }
         }
-        let len = BackwardTile::<T, VEC, VPT, CENTERED, S>::LEN;
-        let offset = (group * d * 4) as u64;
-        for k in 0..VPT {
-            if tile.elem(k) < d {
-                unsafe { store_f32s::<VEC>(p.partials + offset, tile.elem(k), &dgamma[k], len) };
-                if with_dbeta {
-                    unsafe {
-                        store_f32s::<VEC>(p.dbeta_partials + offset, tile.elem(k), &dbeta[k], len)
-                    };
-                }
-            }
-        }
+        unsafe { tile.store_partials(group, &dgamma, &dbeta) };
         group += team.stride;
     }
 }

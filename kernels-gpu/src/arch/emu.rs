@@ -366,6 +366,27 @@ impl SharedF32 {
     }
 }
 
+impl SharedF32 {
+    /// Copies the bytes into this block's words, then counts them against its mbarrier.
+    ///
+    /// # Safety
+    /// `src` points at `bytes` readable bytes; the rest is checked.
+    pub unsafe fn bulk_copy_from(self, i: usize, src: u64, bytes: u32, mbarrier: usize) {
+        assert!(
+            i.is_multiple_of(4) && src.is_multiple_of(16) && bytes.is_multiple_of(16),
+            "bulk copy of {bytes} bytes from {src:#x} to word {i}: not 16-byte aligned"
+        );
+        with_ctx(|c| {
+            let block = c.block();
+            for w in 0..bytes as usize / 4 {
+                let v = unsafe { (src as *const u32).add(w).read() };
+                shared_word(block, i + w, "bulk copy").store(v, Ordering::SeqCst);
+            }
+            block.update_mbarrier(mbarrier, "bulk copy", |bar| bar.tx -= bytes as i64);
+        })
+    }
+}
+
 /// Word `i` of a block's shared memory, or a panic naming the access.
 fn shared_word<'a>(block: &'a Block, i: usize, what: &str) -> &'a AtomicU32 {
     match block.shared.get(i) {

@@ -327,6 +327,42 @@ impl SharedF32 {
     }
 }
 
+impl SharedF32 {
+    /// Copies `bytes` from global memory at `src` into words `i..` of this block's shared memory,
+    /// counting them against the mbarrier at word `mbarrier` as they land
+    /// (`cp.async.bulk … mbarrier::complete_tx::bytes`). One instruction moves the whole span
+    /// through the copy engine: no thread waits for it, and no registers hold it on the way. On
+    /// sm_80 (where only uncalled instances contain it) a plain copy by this thread.
+    ///
+    /// # Safety
+    /// `src` and word `i` are 16-byte aligned and `bytes` is a multiple of 16; the span is readable
+    /// global memory and lies inside the launch's dynamic shared memory, which nothing reads or
+    /// writes until the mbarrier's phase completes; the mbarrier expects the bytes in its current
+    /// phase.
+    #[inline(always)]
+    pub unsafe fn bulk_copy_from(self, i: usize, src: u64, bytes: u32, mbarrier: usize) {
+        #[cfg(target_feature = "sm_90")]
+        unsafe {
+            asm!(
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{d}], [{s}], {n}, [{b}];",
+                d = in(reg32) self.shared_address(i),
+                s = in(reg64) src,
+                n = in(reg32) bytes,
+                b = in(reg32) self.shared_address(mbarrier),
+                options(nostack, preserves_flags)
+            );
+        }
+        #[cfg(not(target_feature = "sm_90"))]
+        {
+            let _ = mbarrier;
+            for w in 0..bytes as usize / 16 {
+                let v = unsafe { load16((src as usize + 16 * w) as *const u8) };
+                unsafe { self.store4(i + 4 * w, v.map(f32::from_bits)) };
+            }
+        }
+    }
+}
+
 /// Makes this thread's `mbarrier_init`s visible to the other blocks of the cluster, for their
 /// asynchronous stores (`fence.mbarrier_init.release.cluster`); a cluster barrier must follow.
 #[inline(always)]
