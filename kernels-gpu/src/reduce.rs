@@ -141,13 +141,12 @@ impl RowReducer {
             }
         }
         arch::sync_threads();
-        let mut partial = [0.0f32; N];
-        if lane < warps {
-            for (i, x) in partial.iter_mut().enumerate() {
-                *x = unsafe { shared.load(base + i * WARP + lane) };
-            }
+        // Every thread adds the warps' totals itself, in warp order: a few broadcast loads and
+        // dependent adds, where a second butterfly would be five shuffle round trips.
+        let mut block = [0.0f32; N];
+        for (i, x) in block.iter_mut().enumerate() {
+            *x = unsafe { ordered_sum(shared, base + i * WARP, warps) };
         }
-        let block = warp_sums(partial);
         let mut totals = [0.0f32; MAX_BLOCK_SUMS];
         totals[..N].copy_from_slice(&block);
         if !self.cluster {
@@ -196,15 +195,12 @@ impl RowReducer {
         let shared = arch::shared_f32();
         let (mailbox, barrier) = Self::mailbox(pending.slot);
         unsafe { shared.mbarrier_wait(barrier, pending.phase) };
-        // Lane r of every warp takes block r's totals.
-        let lane = arch::thread_idx() % WARP;
-        let mut partial = [0.0f32; N];
-        if lane < arch::cluster_size() {
-            for (i, x) in partial.iter_mut().enumerate() {
-                *x = unsafe { shared.load(mailbox + i * MAX_CLUSTER + lane) };
-            }
+        let blocks = arch::cluster_size();
+        let mut totals = [0.0f32; N];
+        for (i, x) in totals.iter_mut().enumerate() {
+            *x = unsafe { ordered_sum(shared, mailbox + i * MAX_CLUSTER, blocks) };
         }
-        warp_sums(partial)
+        totals
     }
 
     /// The first word of a mailbox slot, and of its mbarrier.
@@ -224,6 +220,32 @@ impl RowReducer {
     pub unsafe fn sum(&mut self, v: f32) -> f32 {
         unsafe { self.sums([v])[0] }
     }
+}
+
+/// `Σ words[first..first + n]` in index order, read 16 bytes at a time.
+///
+/// # Safety
+/// `first` is a multiple of 4 and the words up to `first + n` rounded up to 4 lie inside the
+/// launch's dynamic shared memory.
+#[inline(always)]
+unsafe fn ordered_sum(shared: arch::SharedF32, first: usize, n: usize) -> f32 {
+    let mut sum = 0.0f32;
+    let mut w = 0;
+    while w < n {
+        let [a, b, c, d] = unsafe { shared.load4(first + w) };
+        sum += a;
+        if w + 1 < n {
+            sum += b;
+        }
+        if w + 2 < n {
+            sum += c;
+        }
+        if w + 3 < n {
+            sum += d;
+        }
+        w += 4;
+    }
+    sum
 }
 
 /// The threads that share one row: the block, or (sm_90, cluster instances) every block of a
