@@ -43,7 +43,7 @@ impl Activation {
 
 /// f32 elements of workspace [`backward_dbias`] needs for `rows × d`.
 pub fn workspace_len(rows: usize, d: usize) -> usize {
-    group_layout(rows).1 * d
+    group_layout(rows, d).1 * d
 }
 
 /// Threads per block of the elementwise kernels.
@@ -114,7 +114,7 @@ impl Call {
 
     fn launch(self, exec: &dyn Executor) -> Result<()> {
         let (rows, d) = (self.rows, self.d);
-        let (rows_per_group, groups) = group_layout(rows);
+        let (rows_per_group, groups) = group_layout(rows, d);
         if rows > 0 {
             let mut addrs: Vec<u64> = self
                 .inputs

@@ -30,7 +30,7 @@ use crate::tensor::{Dtype, Rows, RowsMut, RowsRef};
 
 /// f32 elements of workspace the backward needs for `rows × d` (room for dγ and dβ partials).
 pub fn workspace_len(rows: usize, d: usize) -> usize {
-    2 * group_layout(rows).1 * d
+    2 * group_layout(rows, d).1 * d
 }
 
 /// Allocates a workspace of [`workspace_len`] f32 on `stream` (outside any launch: do it once and

@@ -249,7 +249,7 @@ impl Backward {
     /// The dx + partials kernel, then one fixed-order column sum per parameter gradient.
     pub(crate) fn run(self, exec: &dyn Executor) -> Result<()> {
         let (rows, d, dtype) = (self.rows, self.d, self.dtype);
-        let (rows_per_group, groups) = group_layout(rows);
+        let (rows_per_group, groups) = group_layout(rows, d);
         let dbeta_partials = if self.dbeta != 0 {
             self.workspace + (groups * d * 4) as u64
         } else {

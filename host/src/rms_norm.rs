@@ -28,7 +28,7 @@ use crate::tensor::{Dtype, Rows, RowsMut, RowsRef};
 
 /// f32 elements of workspace the backward needs for `rows × d`.
 pub fn workspace_len(rows: usize, d: usize) -> usize {
-    group_layout(rows).1 * d
+    group_layout(rows, d).1 * d
 }
 
 /// Allocates a workspace of [`workspace_len`] f32 on `stream` (outside any launch: do it once and

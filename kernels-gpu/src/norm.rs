@@ -1136,23 +1136,6 @@ impl<T: Element, const VEC: bool, const VPT: usize, const CENTERED: bool, S: Row
     }
 }
 
-/// The team's row `n` places after `row` of its group ending at `end`: within the group, or
-/// (for `n` at most a group's rows) within the team's next group, `next_first..next_end`.
-#[inline(always)]
-fn row_ahead(
-    row: usize,
-    n: usize,
-    end: usize,
-    (next_first, next_end): (usize, usize),
-) -> Option<usize> {
-    if row + n < end {
-        Some(row + n)
-    } else {
-        let next = next_first + (row + n - end);
-        (next < next_end).then_some(next)
-    }
-}
-
 /// Rows in flight per block of a [`staged`] backward. Each holds the block's share of x and dy
 /// (at 4 packs × 256 threads, 32 KiB); four keep three rows loading while one is worked on.
 pub const STAGES: usize = 4;
@@ -1256,15 +1239,24 @@ impl<T: Element, const VPT: usize> StagedRows<T, VPT> {
         }
     }
 
-    /// Waits for the team's `i`-th row and reads this thread's accesses of it into registers.
+    /// Waits until the team's `i`-th row has landed in its stage.
     ///
     /// # Safety
-    /// [`Self::fill`] started row `i`; rows before it were taken in order.
+    /// [`Self::fill`] started row `i`.
     #[inline(always)]
-    unsafe fn take(&self, i: usize, elem: impl Fn(usize) -> usize) -> ([Pack; VPT], [Pack; VPT]) {
+    unsafe fn wait(&self, i: usize) {
+        let barrier = self.barriers + 2 * (i % STAGES);
+        unsafe { arch::shared_f32().mbarrier_wait(barrier, (i / STAGES % 2) as u32) };
+    }
+
+    /// This thread's accesses of the team's `i`-th row (x, dy), read from its stage.
+    ///
+    /// # Safety
+    /// [`Self::wait`] returned for row `i`, and its stage was not filled again since.
+    #[inline(always)]
+    unsafe fn read(&self, i: usize, elem: impl Fn(usize) -> usize) -> ([Pack; VPT], [Pack; VPT]) {
         let shared = arch::shared_f32();
         let stage = i % STAGES;
-        unsafe { shared.mbarrier_wait(self.barriers + 2 * stage, (i / STAGES % 2) as u32) };
         let own = arch::thread_idx() * 4;
         let mut x: [Pack; VPT] = [[0; 4]; VPT];
         let mut dy: [Pack; VPT] = [[0; 4]; VPT];
@@ -1278,8 +1270,56 @@ impl<T: Element, const VPT: usize> StagedRows<T, VPT> {
     }
 }
 
-/// The [`staged`] backward: as [`backward_regs`], with the rows arriving through [`StagedRows`]
-/// instead of one prefetched row in registers.
+/// Where a team is in its rows: the row, the end of its group, and the group. Only the last group
+/// of all may be short, and it is the last of its team.
+#[derive(Clone, Copy)]
+struct RowPlace {
+    row: usize,
+    end: usize,
+    group: usize,
+}
+
+impl RowPlace {
+    #[inline(always)]
+    fn first(p: &BackwardParams, team: Team) -> Self {
+        Self::group_start(p, team.first)
+    }
+
+    #[inline(always)]
+    fn group_start(p: &BackwardParams, group: usize) -> Self {
+        let row = group * p.rows_per_group as usize;
+        RowPlace {
+            row,
+            end: (row + p.rows_per_group as usize).min(p.rows as usize),
+            group,
+        }
+    }
+
+    /// Whether the team has a row here.
+    #[inline(always)]
+    fn valid(&self) -> bool {
+        self.row < self.end
+    }
+
+    /// The team's next row.
+    #[inline(always)]
+    fn next(self, p: &BackwardParams, team: Team) -> Self {
+        if self.row + 1 < self.end {
+            RowPlace {
+                row: self.row + 1,
+                ..self
+            }
+        } else {
+            Self::group_start(p, self.group + team.stride)
+        }
+    }
+}
+
+/// The [`staged`] backward: as [`backward_regs`], with the rows arriving through [`StagedRows`],
+/// and two rows in the works. Pass 1 of row k starts its cluster sums, then pass 2 of row k−1
+/// finishes its own: the exchange of one row goes on under the arithmetic of the other. Neither
+/// pass keeps the row in registers (both read it from its stage), so the two rows cost no more
+/// registers than one did.
 #[inline(always)]
 unsafe fn backward_staged<T: Element, const VEC: bool, const VPT: usize, const CENTERED: bool>(
     p: &BackwardParams,
@@ -1291,51 +1331,77 @@ unsafe fn backward_staged<T: Element, const VEC: bool, const VPT: usize, const C
         unsafe { StagedRows::<T, VPT>::new(gamma_end(CENTERED, VPT, arch::block_dim()), team, d) };
     let mut reducer = unsafe { RowReducer::new(team.cluster) };
     let tile = unsafe { BackwardTile::<T, VEC, VPT, CENTERED, Plain>::new(p, src, team) };
-    let (per_group, rows) = (p.rows_per_group as usize, p.rows as usize);
-    let group_rows = |group: usize| {
-        let first = group * per_group;
-        (first, (first + per_group).min(rows))
-    };
     let filler = arch::thread_idx() == 0;
-    let mut group = team.first;
-    let (first, end) = group_rows(group);
-    // A group has at least `STAGES` rows unless it is the last of all (`MIN_ROWS_PER_GROUP`).
+    // The next row to copy in (thread 0's), and the next row for pass 1.
+    let mut filling = RowPlace::first(p, team);
     if filler {
-        for (i, row) in (first..end.max(first)).take(STAGES).enumerate() {
-            unsafe { ring.fill(p, i, row) };
+        for i in 0..STAGES {
+            if filling.valid() {
+                unsafe { ring.fill(p, i, filling.row) };
+            }
+            filling = filling.next(p, team);
         }
     }
-    let mut next_stats = (0.0, 0.0);
-    if first < end {
-        next_stats = load_stats::<CENTERED>(p, first);
-    }
-    let mut i = 0;
-    while group < p.groups as usize {
-        let (first, end) = group_rows(group);
-        let next_group = group_rows(group + team.stride);
-        let mut dgamma = [[0.0f32; 8]; VPT];
-        let mut dbeta = [[0.0f32; 8]; VPT];
-        for row in first..end {
+    let mut place = RowPlace::first(p, team);
+    let mut stats = if place.valid() {
+        load_stats::<CENTERED>(p, place.row)
+    } else {
+        (0.0, 0.0)
+    };
+    // Row k−1 between its passes: where it is, its statistics, its sums on their way.
+    let mut pending: Option<(RowPlace, (f32, f32), PendingSums)> = None;
+    let mut dgamma = [[0.0f32; 8]; VPT];
+    let mut dbeta = [[0.0f32; 8]; VPT];
+    let mut k = 0;
+    loop {
+        let mut started = None;
+        if place.valid() {
+            let next = place.next(p, team);
             // The statistics are a row ahead in registers, as the rows are in the ring.
-            let stats = next_stats;
-            if let Some(next) = row_ahead(row, 1, end, next_group) {
-                next_stats = load_stats::<CENTERED>(p, next);
-            }
-            let (x, dy) = unsafe { ring.take(i, |k| tile.elem(k)) };
-            let this = (x, dy, [(); VPT], stats);
-            unsafe {
-                let pass1 = tile.pass1(&mut reducer, &this);
-                // Pass 1 ended in a block barrier (its reduction), after every thread had read
-                // this row's stage: the stage can take the row `STAGES` ahead.
-                if filler && let Some(next) = row_ahead(row, STAGES, end, next_group) {
-                    ring.fill(p, i + STAGES, next);
+            let next_stats = if next.valid() {
+                load_stats::<CENTERED>(p, next.row)
+            } else {
+                (0.0, 0.0)
+            };
+            unsafe { ring.wait(k) };
+            let (x, dy) = unsafe { ring.read(k, |a| tile.elem(a)) };
+            // With nothing saved, pass 1 computes the statistics it returns.
+            let (_, row_stats, sums) =
+                unsafe { tile.pass1(&mut reducer, &(x, dy, [(); VPT], stats)) };
+            started = Some((place, row_stats, sums));
+            (place, stats) = (next, next_stats);
+            // Pass 1 ended in a block barrier (its reduction), after every thread had finished
+            // pass 2 of row k−2: that stage can take the row `STAGES` after it.
+            if filler && k >= 2 {
+                if filling.valid() {
+                    unsafe { ring.fill(p, k - 2 + STAGES, filling.row) };
                 }
-                tile.pass2(&mut reducer, row, &this, pass1, &mut dgamma, &mut dbeta);
+                filling = filling.next(p, team);
             }
-            i += 1;
         }
-        unsafe { tile.store_partials(group, &dgamma, &dbeta) };
-        group += team.stride;
+        if let Some((at, row_stats, sums)) = pending {
+            let (x, dy) = unsafe { ring.read(k - 1, |a| tile.elem(a)) };
+            unsafe {
+                tile.pass2(
+                    &mut reducer,
+                    at.row,
+                    &(x, dy, [(); VPT], row_stats),
+                    (x, row_stats, sums),
+                    &mut dgamma,
+                    &mut dbeta,
+                );
+            }
+            if at.row + 1 == at.end {
+                unsafe { tile.store_partials(at.group, &dgamma, &dbeta) };
+                dgamma = [[0.0f32; 8]; VPT];
+                dbeta = [[0.0f32; 8]; VPT];
+            }
+        }
+        if started.is_none() {
+            break;
+        }
+        pending = started;
+        k += 1;
     }
 }
 

@@ -37,10 +37,11 @@ const BLOCK_SLOTS: usize = 0;
 /// nor started more than c + 2·`MAX_LEAD` + 1: a slot is written again only after it was read.
 const MAILBOX_SLOTS: usize = 2 * MAX_LEAD + 2;
 /// Most calls started between a call's [`RowReducer::start`] and its [`RowReducer::finish`]. The
-/// kernels finish each call before starting the next (pass 1 of a row starts its sums, pass 2
-/// finishes them); starting the next row's sums first, to overlap the exchange with a pass,
-/// measured no faster (H200, 1024×65536 backward), so one call of lead is all that is kept.
-pub const MAX_LEAD: usize = 1;
+/// staged backward starts row k's sums before finishing row k−1's, and with nothing saved row k's
+/// statistics (a whole reduction) come first: two calls of lead. Calls may then finish out of
+/// order (the statistics' before row k−1's sums); the slot argument above does not need them in
+/// order.
+pub const MAX_LEAD: usize = 2;
 /// The cluster's mailboxes: per slot, one word per block per value, written by the blocks of the
 /// cluster.
 const MAILBOXES: usize = BLOCK_SLOTS + 2 * MAX_BLOCK_SUMS * WARP;
@@ -122,8 +123,8 @@ impl RowReducer {
     }
 
     /// The first half of [`Self::sums`]: the block's sum, and in a cluster its totals sent to
-    /// every block. Finish it with [`Self::finish`]; calls finish in the order they started, with
-    /// at most [`MAX_LEAD`] others started in between.
+    /// every block. Finish it with [`Self::finish`], with at most [`MAX_LEAD`] others started in
+    /// between.
     ///
     /// # Safety
     /// As for [`Self::sums`].
@@ -141,12 +142,13 @@ impl RowReducer {
             }
         }
         arch::sync_threads();
-        // Every thread adds the warps' totals itself, in warp order: a few broadcast loads and
-        // dependent adds, where a second butterfly would be five shuffle round trips.
-        let mut block = [0.0f32; N];
-        for (i, x) in block.iter_mut().enumerate() {
-            *x = unsafe { ordered_sum(shared, base + i * WARP, warps) };
+        let mut partial = [0.0f32; N];
+        if lane < warps {
+            for (i, x) in partial.iter_mut().enumerate() {
+                *x = unsafe { shared.load(base + i * WARP + lane) };
+            }
         }
+        let block = warp_sums(partial);
         let mut totals = [0.0f32; MAX_BLOCK_SUMS];
         totals[..N].copy_from_slice(&block);
         if !self.cluster {
@@ -185,8 +187,8 @@ impl RowReducer {
     /// The second half of [`Self::sums`]: waits for every block's totals and adds them.
     ///
     /// # Safety
-    /// As for [`Self::sums`]; `pending` is the oldest unfinished [`Self::start`] of this reducer,
-    /// which reduced `N` values.
+    /// As for [`Self::sums`]; `pending` came from a [`Self::start`] of this reducer that reduced
+    /// `N` values, with at most [`MAX_LEAD`] other starts since.
     #[inline(always)]
     pub unsafe fn finish<const N: usize>(&mut self, pending: PendingSums) -> [f32; N] {
         if !self.cluster {
@@ -195,12 +197,15 @@ impl RowReducer {
         let shared = arch::shared_f32();
         let (mailbox, barrier) = Self::mailbox(pending.slot);
         unsafe { shared.mbarrier_wait(barrier, pending.phase) };
-        let blocks = arch::cluster_size();
-        let mut totals = [0.0f32; N];
-        for (i, x) in totals.iter_mut().enumerate() {
-            *x = unsafe { ordered_sum(shared, mailbox + i * MAX_CLUSTER, blocks) };
+        // Lane r of every warp takes block r's totals.
+        let lane = arch::thread_idx() % WARP;
+        let mut partial = [0.0f32; N];
+        if lane < arch::cluster_size() {
+            for (i, x) in partial.iter_mut().enumerate() {
+                *x = unsafe { shared.load(mailbox + i * MAX_CLUSTER + lane) };
+            }
         }
-        totals
+        warp_sums(partial)
     }
 
     /// The first word of a mailbox slot, and of its mbarrier.
@@ -220,32 +225,6 @@ impl RowReducer {
     pub unsafe fn sum(&mut self, v: f32) -> f32 {
         unsafe { self.sums([v])[0] }
     }
-}
-
-/// `Σ words[first..first + n]` in index order, read 16 bytes at a time.
-///
-/// # Safety
-/// `first` is a multiple of 4 and the words up to `first + n` rounded up to 4 lie inside the
-/// launch's dynamic shared memory.
-#[inline(always)]
-unsafe fn ordered_sum(shared: arch::SharedF32, first: usize, n: usize) -> f32 {
-    let mut sum = 0.0f32;
-    let mut w = 0;
-    while w < n {
-        let [a, b, c, d] = unsafe { shared.load4(first + w) };
-        sum += a;
-        if w + 1 < n {
-            sum += b;
-        }
-        if w + 2 < n {
-            sum += c;
-        }
-        if w + 3 < n {
-            sum += d;
-        }
-        w += 4;
-    }
-    sum
 }
 
 /// The threads that share one row: the block, or (sm_90, cluster instances) every block of a

@@ -719,15 +719,33 @@ fn layer_norm_bad_arguments_are_rejected_before_anything_is_written() {
 
 #[test]
 fn workspace_and_groups_depend_on_the_shape_only() {
-    for rows in [1, 15, 16, 17, 1000, 16384, 1 << 20] {
-        let (per_group, groups) = normkern::group_layout(rows);
-        assert!(
-            per_group * groups >= rows && per_group * (groups - 1) < rows,
-            "rows {rows}"
-        );
-        assert_eq!(rms_norm::workspace_len(rows, 3), groups * 3);
+    // Rows split over clusters of 8 (wider than 32768) walk fewer, better balanced groups.
+    let busiest_of_15 = |(per_group, groups): (usize, usize)| groups.div_ceil(15) * per_group;
+    for rows in [1, 15, 16, 17, 64, 1000, 1024, 16384, 1 << 20] {
+        for d in [3, 32768, 32769, 1 << 20] {
+            let (per_group, groups) = normkern::group_layout(rows, d);
+            assert!(
+                per_group * groups >= rows && per_group * (groups - 1) < rows,
+                "rows {rows}, d {d}"
+            );
+            assert!(groups <= 512, "rows {rows}, d {d}: {groups} groups");
+            assert_eq!(rms_norm::workspace_len(rows, d), groups * d);
+            assert_eq!(layer_norm::workspace_len(rows, d), 2 * groups * d);
+            if d > 32768 {
+                let narrow = normkern::group_layout(rows, 3);
+                assert!(
+                    busiest_of_15((per_group, groups)) <= busiest_of_15(narrow),
+                    "rows {rows}, d {d}: {per_group} × {groups} balances worse than {narrow:?}"
+                );
+            }
+        }
     }
-    assert_eq!(normkern::group_layout(0).1, 0);
+    // 64 groups of 16 took 5 rounds of 15 clusters (80 rows for the busiest) at 1024 rows; 4
+    // groups of 16 left 11 of 15 idle at 64 rows.
+    assert!(busiest_of_15(normkern::group_layout(1024, 65536)) <= 72);
+    assert!(normkern::group_layout(64, 1 << 20).1 >= 12);
+    assert_eq!(normkern::group_layout(0, 65536).1, 0);
+    assert_eq!(normkern::group_layout(0, 3).1, 0);
 }
 
 #[test]
@@ -868,7 +886,7 @@ fn emulator_layer_norm_without_bias_and_streaming_matches_reference() {
 fn emulator_rows_split_over_clusters_match_reference() {
     let mut rng = Rng::fresh("emulator_clusters");
     // (rows, d, block limit, clusters up to): 2 × 64 threads × 4 packs; 8 × 32 × 4; streaming;
-    // 2 × 64 × 4 again over two dγ groups (16 + 4 rows), reusing every mailbox slot.
+    // 2 × 64 × 4 again over two dγ groups (16 + 4 rows), reusing every mailbox slot and stage.
     let shapes = [
         (3, 2048, 64, 2),
         (2, 4096, 32, 8),
@@ -886,7 +904,8 @@ fn emulator_rows_split_over_clusters_match_reference() {
                 grid.map_or(e, |blocks| e.with_grid_limit(blocks).unwrap())
             };
             let mut case = Case::<f32>::new(kind, &mut rng, rows, d, d, 0);
-            if i == 0 {
+            // Recomputed statistics: a second reduction per row, also over several groups.
+            if i == 0 || i == 3 {
                 case = case.offset_and_recompute(&mut rng);
             }
             let out = case.run_emulator(&emulator(None));

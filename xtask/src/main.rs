@@ -108,28 +108,25 @@ fn compile_ptx(arch: &str) -> Result<String> {
             "{arch}: PTX contains a path of this checkout, so it is not reproducible: {line}"
         ));
     }
-    Ok(with_register_budgets(&ptx, arch))
+    Ok(with_register_budgets(&ptx))
 }
 
 /// Register budgets (`.maxnreg`) for kernels whose natural allocation would cost a resident block:
 /// an SM has 65536 registers, so a 256-thread block at 129–255 registers runs alone on its SM, at
 /// 65–128 two fit, at 49–64 four, at 48 five. A row kernel keeps one row in flight per block, so
-/// resident blocks are its bytes in flight. An entry `(archs, family, tile, budget)` matches the
-/// entry `{family}_{dtype}_{tile}` in the PTX of the listed architectures. Every budget must leave
-/// ptxas without spills (`cargo xtask ptxas`).
-const REGISTER_BUDGETS: &[(&[&str], &str, &str, u32)] = &[
+/// resident blocks are its bytes in flight. An entry `(family, tile, budget)` matches the entry
+/// `{family}_{dtype}_{tile}`. Every budget must leave ptxas without spills (`cargo xtask ptxas`).
+const REGISTER_BUDGETS: &[(&str, &str, u32)] = &[
     // LayerNorm's 2-pack backward tile (d = 2048..4096 at 16 bits): its dβ partials and μ took it
     // to 153–161 registers, one block per SM; it fits 128 without spilling.
-    (&["sm_80", "sm_90"], "layer_norm_bwd", "v2", 128),
+    ("layer_norm_bwd", "v2", 128),
     // LayerNorm's 2-pack forward tile prefetches the next row (it waits on two reductions per
     // row): 72 registers for sm_90; 64 keep four blocks resident without spills (56 spill).
-    (&["sm_90"], "layer_norm_fwd", "v2", 64),
-    // sm_80's code for it spills 16 bytes at 64: three blocks per SM there.
-    (&["sm_80"], "layer_norm_fwd", "v2", 80),
+    ("layer_norm_fwd", "v2", 64),
 ];
 
 /// Inserts the [`REGISTER_BUDGETS`] directives after the parameter lists of the matching entries.
-fn with_register_budgets(ptx: &str, arch: &str) -> String {
+fn with_register_budgets(ptx: &str) -> String {
     let mut out = String::with_capacity(ptx.len() + 4096);
     let mut pending: Option<u32> = None;
     for line in ptx.lines() {
@@ -139,14 +136,14 @@ fn with_register_budgets(ptx: &str, arch: &str) -> String {
         {
             pending = REGISTER_BUDGETS
                 .iter()
-                .find(|(archs, family, tile, _)| {
+                .find(|(family, tile, _)| {
                     let dtype = name
                         .strip_prefix(family)
                         .and_then(|rest| rest.strip_suffix(tile))
                         .unwrap_or_default();
-                    archs.contains(&arch) && ["_f32_", "_f16_", "_bf16_"].contains(&dtype)
+                    ["_f32_", "_f16_", "_bf16_"].contains(&dtype)
                 })
-                .map(|b| b.3);
+                .map(|b| b.2);
         }
         if line == "{"
             && let Some(budget) = pending.take()
