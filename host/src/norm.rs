@@ -353,17 +353,6 @@ fn launch_rows(
         let k = kernel(variant(vpt, cluster));
         Ok(exec.max_threads(&k)?.min(k.threads_within_shared()))
     })?;
-    let tile = match std::env::var("NORMKERN_ROW_TILE") {
-        Ok(v) if !residual && work > 0 && d >= 65536 && d < 1048576 => {
-            let n: Vec<usize> = v.split(',').map(|x| x.parse().unwrap()).collect();
-            crate::launch::RowTile {
-                vpt: n[0],
-                threads: n[1],
-                cluster: n[2],
-            }
-        }
-        _ => tile,
-    };
     let k = kernel(variant(tile.vpt, tile.cluster > 1));
     let shared_bytes = k.row_shared_bytes(tile.threads);
     let grid = exec.persistent_grid(&k, work, tile.threads, tile.cluster, shared_bytes)?;

@@ -37,11 +37,10 @@ const BLOCK_SLOTS: usize = 0;
 /// nor started more than c + 2·`MAX_LEAD` + 1: a slot is written again only after it was read.
 const MAILBOX_SLOTS: usize = 2 * MAX_LEAD + 2;
 /// Most calls started between a call's [`RowReducer::start`] and its [`RowReducer::finish`]. The
-/// staged backward starts row k's sums before finishing row k−1's, and with nothing saved row k's
-/// statistics (a whole reduction) come first: two calls of lead. Calls may then finish out of
-/// order (the statistics' before row k−1's sums); the slot argument above does not need them in
-/// order.
-pub const MAX_LEAD: usize = 2;
+/// kernels finish each call before starting the next (pass 1 of a row starts its sums, pass 2
+/// finishes them); starting the next row's sums first, to overlap the exchange with a pass,
+/// measured no faster (H200, 1024×65536 backward), so one call of lead is all that is kept.
+pub const MAX_LEAD: usize = 1;
 /// The cluster's mailboxes: per slot, one word per block per value, written by the blocks of the
 /// cluster.
 const MAILBOXES: usize = BLOCK_SLOTS + 2 * MAX_BLOCK_SUMS * WARP;
@@ -123,8 +122,8 @@ impl RowReducer {
     }
 
     /// The first half of [`Self::sums`]: the block's sum, and in a cluster its totals sent to
-    /// every block. Finish it with [`Self::finish`], with at most [`MAX_LEAD`] others started in
-    /// between.
+    /// every block. Finish it with [`Self::finish`]; calls finish in the order they started, with
+    /// at most [`MAX_LEAD`] others started in between.
     ///
     /// # Safety
     /// As for [`Self::sums`].
@@ -187,8 +186,8 @@ impl RowReducer {
     /// The second half of [`Self::sums`]: waits for every block's totals and adds them.
     ///
     /// # Safety
-    /// As for [`Self::sums`]; `pending` came from a [`Self::start`] of this reducer that reduced
-    /// `N` values, with at most [`MAX_LEAD`] other starts since.
+    /// As for [`Self::sums`]; `pending` is the oldest unfinished [`Self::start`] of this reducer,
+    /// which reduced `N` values.
     #[inline(always)]
     pub unsafe fn finish<const N: usize>(&mut self, pending: PendingSums) -> [f32; N] {
         if !self.cluster {

@@ -144,14 +144,11 @@ fn cluster_reduction_gives_every_block_the_same_sums() {
 
 #[test]
 fn overlapped_cluster_reductions_come_back_in_order() {
-    // 2 clusters of 4 blocks of 32 threads, calling as the staged backward with recomputed
-    // statistics does, for many more calls than there are mailbox slots (so every slot and its
-    // mbarrier are reused, at both phase parities): per row, a one-value reduction started and
-    // finished at once (the statistics), then a two-value one (the sums) started before the
-    // previous row's sums are finished. That is the most lead the reducer allows, and calls
-    // finishing out of the order they started.
-    assert_eq!(reduce::MAX_LEAD, 2);
-    let rows = 12;
+    // 2 clusters of 4 blocks of 32 threads; each starts the next call before finishing the last
+    // (the most lead the reducer allows), for many more calls than there are mailbox slots (so
+    // every slot and its mbarrier are reused, at both phase parities), with 1 or 2 values per call.
+    assert_eq!(reduce::MAX_LEAD, 1);
+    let calls = 21;
     let results = std::sync::Mutex::new(Vec::new());
     emu::launch(
         "overlapped_sums",
@@ -162,25 +159,32 @@ fn overlapped_cluster_reductions_come_back_in_order() {
         &|| {
             let mut reducer = unsafe { reduce::RowReducer::new(true) };
             let tid = arch::cluster_rank() * arch::block_dim() + arch::thread_idx();
-            // Call c reduces tid · (c + 1): row r's statistics are call 2r, its sums call 2r + 1
-            // (with a second value of 1 per thread).
             let value = |call: usize| (tid * (call + 1)) as f32;
-            let finish_sums = |reducer: &mut reduce::RowReducer, pending| unsafe {
-                let [a, b] = reducer.finish::<2>(pending);
-                assert_eq!(b, 128.0);
-                a
-            };
-            let mut sums = Vec::new();
-            let mut pending = None;
-            for row in 0..rows {
-                let stats = unsafe { reducer.sums([value(2 * row)]) }[0];
-                let started = unsafe { reducer.start([value(2 * row + 1), 1.0]) };
-                if let Some(previous) = pending.replace(started) {
-                    sums.push(finish_sums(&mut reducer, previous));
+            // Even calls reduce one value, odd calls two (the second is 1 per thread).
+            let start = |reducer: &mut reduce::RowReducer, call: usize| unsafe {
+                if call.is_multiple_of(2) {
+                    reducer.start([value(call)])
+                } else {
+                    reducer.start([value(call), 1.0])
                 }
-                sums.push(stats);
+            };
+            let finish = |reducer: &mut reduce::RowReducer, call: usize, pending| unsafe {
+                if call.is_multiple_of(2) {
+                    reducer.finish::<1>(pending)[0]
+                } else {
+                    let [a, b] = reducer.finish::<2>(pending);
+                    assert_eq!(b, 128.0);
+                    a
+                }
+            };
+            let mut pending = start(&mut reducer, 0);
+            let mut sums = Vec::new();
+            for call in 1..calls {
+                let next = start(&mut reducer, call);
+                sums.push(finish(&mut reducer, call - 1, pending));
+                pending = next;
             }
-            sums.push(finish_sums(&mut reducer, pending.unwrap()));
+            sums.push(finish(&mut reducer, calls - 1, pending));
             if arch::thread_idx() == 0 {
                 results.lock().unwrap().push(sums);
             }
@@ -189,14 +193,8 @@ fn overlapped_cluster_reductions_come_back_in_order() {
     .unwrap();
     let results = results.into_inner().unwrap();
     assert_eq!(results.len(), 8);
-    // Σ_{tid < 128} tid · (c + 1) = 8128 · (c + 1), in the order the calls finished: row 0's
-    // statistics, then for each later row r its statistics after row r − 1's sums.
-    let mut order = vec![0];
-    for row in 1..rows {
-        order.extend([2 * row - 1, 2 * row]);
-    }
-    order.push(2 * rows - 1);
-    let expected: Vec<f32> = order.iter().map(|c| 8128.0 * (c + 1) as f32).collect();
+    // Σ_{tid < 128} tid · (call + 1) = 8128 · (call + 1).
+    let expected: Vec<f32> = (0..calls).map(|c| 8128.0 * (c + 1) as f32).collect();
     for sums in results {
         assert_eq!(sums, expected);
     }
