@@ -17,7 +17,7 @@ use normkern_gpu::norm::Norm;
 use normkern_gpu::variant::{ActVariant, Dtype, EntryName, TILES, Variant, act, tiles};
 
 use crate::error::{Error, Result};
-use crate::launch::{Executor, Kernel, OPT_IN_SHARED_BYTES, Shape};
+use crate::launch::{Executor, Kernel, Shape};
 
 /// PTX built by `cargo xtask build-ptx`, one per target architecture, newest first.
 const PTX: [(u32, &str); 2] = [
@@ -37,6 +37,8 @@ pub struct Context {
     functions: HashMap<String, CudaFunction>,
     ptx_arch: u32,
     sm_count: usize,
+    /// Dynamic shared memory one block may opt into (bytes).
+    shared_opt_in: usize,
     grid_limit: Option<usize>,
 }
 
@@ -126,23 +128,28 @@ impl Context {
                 .map_err(Error::driver("cuModuleGetFunction"))?;
             functions.insert(name.as_str().to_owned(), f);
         }
+        let sm_count = cuda
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(Error::driver("cuDeviceGetAttribute"))? as usize;
+        let shared_opt_in = cuda
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(Error::driver("cuDeviceGetAttribute"))?;
+        // The staged kernels size their ring to the block; the tile choice keeps them within this.
         for name in staged {
             functions[name.as_str()]
                 .set_attribute(
                     CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    OPT_IN_SHARED_BYTES as i32,
+                    shared_opt_in,
                 )
                 .map_err(Error::driver("cuFuncSetAttribute"))?;
         }
-        let sm_count = cuda
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(Error::driver("cuDeviceGetAttribute"))? as usize;
         Ok(Context {
             cuda,
             _module: module,
             functions,
             ptx_arch,
             sm_count,
+            shared_opt_in: shared_opt_in as usize,
             grid_limit: None,
         })
     }
@@ -245,6 +252,10 @@ impl Executor for Gpu<'_> {
             .result()
             .map_err(Error::driver("cuOccupancyMaxActiveClusters"))?;
         Ok(clusters.max(0) as usize)
+    }
+
+    fn shared_opt_in(&self) -> usize {
+        self.ctx.shared_opt_in
     }
 
     fn max_cluster(&self) -> usize {

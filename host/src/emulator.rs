@@ -17,6 +17,9 @@ const EMULATED_RESIDENT_BLOCKS: usize = 4;
 /// clusters cost an OS thread per emulated thread of every block at once.
 const EMULATED_MAX_CLUSTER: usize = 2;
 
+/// Dynamic shared memory a block may opt into: the H100's and H200's 227 KiB.
+const EMULATED_SHARED_OPT_IN: usize = 227 * 1024;
+
 /// Runs normkern's kernels on the CPU. Methods mirror the GPU functions of each op module.
 #[derive(Clone, Copy, Debug)]
 pub struct Emulator {
@@ -82,6 +85,10 @@ impl Executor for Emulator {
 
     fn max_cluster(&self) -> usize {
         self.max_cluster
+    }
+
+    fn shared_opt_in(&self) -> usize {
+        EMULATED_SHARED_OPT_IN
     }
 
     fn sm_count(&self) -> usize {

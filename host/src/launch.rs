@@ -48,15 +48,12 @@ impl Kernel {
         }
     }
 
-    /// The most threads (a multiple of 32, at most 1024) a block of this row kernel may have
-    /// within its dynamic shared memory: 48 KiB (what every kernel gets without opting in), or
-    /// for [`Self::staged`] kernels [`OPT_IN_SHARED_BYTES`].
-    pub(crate) fn threads_within_shared(&self) -> usize {
-        let limit = if self.staged() {
-            OPT_IN_SHARED_BYTES
-        } else {
-            48 * 1024
-        };
+    /// The most threads (a multiple of 32, at most 1024; 0 for none) a block of this row kernel
+    /// may have within its dynamic shared memory: 48 KiB (what every kernel gets without opting
+    /// in), or for [`Self::staged`] kernels the device's opt-in limit `opt_in` (227 KiB on H100
+    /// and H200, less on some later parts).
+    pub(crate) fn threads_within_shared(&self, opt_in: usize) -> usize {
+        let limit = if self.staged() { opt_in } else { 48 * 1024 };
         (32..=1024)
             .step_by(32)
             .take_while(|&threads| self.row_shared_bytes(threads) <= limit)
@@ -64,10 +61,6 @@ impl Kernel {
             .unwrap_or(0)
     }
 }
-
-/// Dynamic shared memory a block may opt into on sm_90 (H100, H200), the only architecture
-/// with [`Kernel::staged`] kernels.
-pub(crate) const OPT_IN_SHARED_BYTES: usize = 227 * 1024;
 
 /// Grid, block, cluster and dynamic shared memory of one launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -99,6 +92,9 @@ pub(crate) trait Executor {
     /// The most blocks a cluster may have on this device: 8 on sm_90 and newer, 1 (no clusters)
     /// before.
     fn max_cluster(&self) -> usize;
+    /// The dynamic shared memory (bytes) one block may opt into, which [`Kernel::staged`]
+    /// kernels may use.
+    fn shared_opt_in(&self) -> usize;
     /// Streaming multiprocessors (the emulator: the blocks it pretends are resident).
     fn sm_count(&self) -> usize;
     /// An upper bound on the grid set by the user (tests use it to prove grid invariance).
@@ -355,5 +351,39 @@ mod tests {
     fn without_clusters_or_past_them_rows_stream() {
         assert_eq!(pick(16384, 8, 1, backward_regs), tile(STREAM, 800, 1));
         assert_eq!(pick(1 << 20, 8, 8, backward_regs), tile(STREAM, 800, 8));
+    }
+
+    /// The staged cluster backward (4 rows of x and dy in flight, LayerNorm's γ besides) needs
+    /// more than the default 48 KiB: it gets the device's opt-in limit, and a device with less
+    /// gets fewer threads per block rather than a failed launch.
+    #[test]
+    fn staged_backward_blocks_fit_the_opt_in_shared_memory() {
+        let backward = |norm, vpt, cluster, residual: bool| {
+            let params = norm::BackwardParams {
+                dresidual: residual as u64,
+                ..Default::default()
+            };
+            let variant = Variant {
+                dtype: Dtype::Bf16,
+                vec: true,
+                vpt,
+                cluster,
+            };
+            Kernel::NormBackward(norm, variant, params)
+        };
+        let staged = backward(Norm::Layer, 4, true, false);
+        assert!(staged.staged());
+        assert!(staged.row_shared_bytes(256) > 48 * 1024);
+        assert_eq!(staged.threads_within_shared(227 * 1024), 352);
+        assert_eq!(staged.threads_within_shared(99 * 1024), 128);
+        // Block instances and residual instances keep within 48 KiB whatever the device offers.
+        for kernel in [
+            backward(Norm::Layer, 4, false, false),
+            backward(Norm::Rms, 4, true, true),
+        ] {
+            assert!(!kernel.staged());
+            let threads = kernel.threads_within_shared(227 * 1024);
+            assert!(kernel.row_shared_bytes(threads) <= 48 * 1024, "{kernel:?}");
+        }
     }
 }

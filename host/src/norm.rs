@@ -351,7 +351,9 @@ fn launch_rows(
     let max_cluster = if vec { max_cluster } else { 1 };
     let tile = row_tile(d, len, registers, max_cluster, |vpt, cluster| {
         let k = kernel(variant(vpt, cluster));
-        Ok(exec.max_threads(&k)?.min(k.threads_within_shared()))
+        Ok(exec
+            .max_threads(&k)?
+            .min(k.threads_within_shared(exec.shared_opt_in())))
     })?;
     let k = kernel(variant(tile.vpt, tile.cluster > 1));
     let shared_bytes = k.row_shared_bytes(tile.threads);
