@@ -26,9 +26,7 @@ impl Kernel {
             Kernel::Activation(family, v, _) => v.entry_name(family.prefix()),
         }
     }
-}
 
-impl Kernel {
     /// Dynamic shared memory of one block of `threads` threads of a row kernel.
     pub(crate) fn row_shared_bytes(&self, threads: usize) -> usize {
         match self {
@@ -39,8 +37,8 @@ impl Kernel {
         }
     }
 
-    /// Whether the kernel stages rows through shared memory beyond the default 48 KiB, which its
-    /// function must opt into (the context does so when it loads it).
+    /// Whether the kernel stages rows through shared memory beyond [`DEFAULT_SHARED_BYTES`],
+    /// which its function must opt into (the context does so when it loads it).
     pub(crate) fn staged(&self) -> bool {
         match self {
             Kernel::NormBackward(_, v, p) => norm::staged(v.cluster, p.residual_family(), v.vpt),
@@ -49,11 +47,15 @@ impl Kernel {
     }
 
     /// The most threads (a multiple of 32, at most 1024; 0 for none) a block of this row kernel
-    /// may have within its dynamic shared memory: 48 KiB (what every kernel gets without opting
-    /// in), or for [`Self::staged`] kernels the device's opt-in limit `opt_in` (227 KiB on H100
-    /// and H200, less on some later parts).
+    /// may have within its dynamic shared memory: [`DEFAULT_SHARED_BYTES`], or for
+    /// [`Self::staged`] kernels the device's opt-in limit `opt_in` (227 KiB on H100 and H200, less
+    /// on some later parts).
     pub(crate) fn threads_within_shared(&self, opt_in: usize) -> usize {
-        let limit = if self.staged() { opt_in } else { 48 * 1024 };
+        let limit = if self.staged() {
+            opt_in
+        } else {
+            DEFAULT_SHARED_BYTES
+        };
         (32..=1024)
             .step_by(32)
             .take_while(|&threads| self.row_shared_bytes(threads) <= limit)
@@ -61,6 +63,9 @@ impl Kernel {
             .unwrap_or(0)
     }
 }
+
+/// Dynamic shared memory every kernel may use without opting in.
+const DEFAULT_SHARED_BYTES: usize = 48 * 1024;
 
 /// Grid, block, cluster and dynamic shared memory of one launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -364,9 +364,7 @@ impl SharedF32 {
             block.update_mbarrier(mbarrier, "asynchronous store", |bar| bar.tx -= 4);
         })
     }
-}
 
-impl SharedF32 {
     /// Copies the bytes into this block's words, then counts them against its mbarrier.
     ///
     /// # Safety

@@ -325,9 +325,7 @@ impl SharedF32 {
             unsafe { self.store(i, v) }
         }
     }
-}
 
-impl SharedF32 {
     /// Copies `bytes` from global memory at `src` into words `i..` of this block's shared memory,
     /// counting them against the mbarrier at word `mbarrier` as they land
     /// (`cp.async.bulk … mbarrier::complete_tx::bytes`). One instruction moves the whole span
