@@ -219,3 +219,46 @@ fn a_grid_that_is_not_whole_clusters_is_refused() {
     let r = emu::launch("ragged", 5, 32, 2, 0, &|| {});
     expect_error(r, "ragged", "invalid launch shape");
 }
+
+#[test]
+fn column_sums_by_one_or_four_columns_give_the_same_bits() {
+    // 37 groups (two slices get three, the rest two), 1000 columns: slabs of 32 and of 128, the
+    // last of each partial; a grid of 3 blocks walks them.
+    let (groups, d) = (37, 1000);
+    let mut rng = normkern_tests::Rng::fresh("column_sums");
+    let partials: Vec<f32> = (0..groups * d)
+        .map(|_| rng.uniform(-4.0, 4.0) as f32)
+        .collect();
+    let sum = |columns: usize| {
+        let out = vec![f32::NAN; d];
+        let p = reduce::ColumnSumParams {
+            partials: partials.as_ptr() as u64,
+            out: out.as_ptr() as u64,
+            groups: groups as u32,
+            d: d as u32,
+            columns: columns as u32,
+        };
+        let body = reduce::column_sum_body(normkern_gpu::variant::Dtype::F32);
+        let shared_bytes = reduce::COLUMN_SUM_THREADS * 4 * columns;
+        emu::launch(
+            "column_sum",
+            3,
+            reduce::COLUMN_SUM_THREADS,
+            1,
+            shared_bytes,
+            &|| unsafe { body(&p) },
+        )
+        .unwrap();
+        out
+    };
+    let (one, four) = (sum(1), sum(reduce::COLUMN_SUM_VECTOR));
+    for j in 0..d {
+        let exact: f64 = (0..groups).map(|g| partials[g * d + j] as f64).sum();
+        assert!(
+            (one[j] as f64 - exact).abs() < 1e-4,
+            "column {j}: {} vs {exact}",
+            one[j]
+        );
+        assert_eq!(one[j].to_bits(), four[j].to_bits(), "column {j}");
+    }
+}
