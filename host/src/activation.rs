@@ -176,7 +176,7 @@ impl Call {
             )?;
         }
         if let Some((dbias, workspace)) = self.dbias {
-            launch_column_sum(exec, self.dtype, workspace, dbias, groups, d)?;
+            launch_column_sum(exec, self.dtype, (workspace, dbias), None, groups, d)?;
         }
         Ok(())
     }

@@ -271,19 +271,23 @@ const VECTOR_COLUMN_SUM_MIN_D: usize = 16384;
 
 /// The second pass of every deterministic parameter gradient (dγ, dβ, dbias): sums the
 /// `[groups, d]` fp32 partials at `workspace` in a fixed order into `d` elements of `dtype` at
-/// `out`. With `groups == 0` it writes zeros (the gradient over no rows).
+/// `out`, and in the same launch those of `second` (dβ's, next to dγ's) if any. With
+/// `groups == 0` it writes zeros (the gradient over no rows).
 pub(crate) fn launch_column_sum(
     exec: &dyn Executor,
     dtype: Dtype,
-    workspace: u64,
-    out: u64,
+    (workspace, out): (u64, u64),
+    second: Option<(u64, u64)>,
     groups: usize,
     d: usize,
 ) -> Result<()> {
+    let sums = 1 + second.is_some() as usize;
+    let aligned = workspace % 16 == 0 && second.is_none_or(|(partials, _)| partials % 16 == 0);
+    let second = second.unwrap_or((0, 0));
     // Four columns per thread where rows of partials are 16-byte aligned and wide enough for
     // slabs of 128 columns to fill the GPU; the same bits either way (the same order per column).
     let vector = reduce::COLUMN_SUM_VECTOR;
-    let columns = if d % vector == 0 && workspace % 16 == 0 && d >= VECTOR_COLUMN_SUM_MIN_D {
+    let columns = if d % vector == 0 && aligned && d >= VECTOR_COLUMN_SUM_MIN_D {
         vector
     } else {
         1
@@ -293,6 +297,8 @@ pub(crate) fn launch_column_sum(
         ColumnSumParams {
             partials: workspace,
             out,
+            partials2: second.0,
+            out2: second.1,
             groups: groups as u32,
             d: d as u32,
             columns: columns as u32,
@@ -300,7 +306,7 @@ pub(crate) fn launch_column_sum(
     );
     let block = reduce::COLUMN_SUM_THREADS;
     let shared_bytes = reduce::COLUMN_SUM_THREADS * 4 * columns;
-    let slabs = d.div_ceil(32 * columns);
+    let slabs = d.div_ceil(32 * columns) * sums;
     let grid = exec.persistent_grid(&kernel, slabs, block, 1, shared_bytes)?;
     exec.launch(
         &kernel,

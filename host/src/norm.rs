@@ -310,18 +310,9 @@ impl Backward {
                 Kernel::NormBackward(self.norm, variant, params)
             })?;
         }
-        launch_column_sum(
-            exec,
-            self.grad_dtype,
-            self.workspace,
-            self.dgamma,
-            groups,
-            d,
-        )?;
-        if self.dbeta != 0 {
-            launch_column_sum(exec, self.grad_dtype, dbeta_partials, self.dbeta, groups, d)?;
-        }
-        Ok(())
+        let dbeta = (self.dbeta != 0).then_some((dbeta_partials, self.dbeta));
+        let dgamma = (self.workspace, self.dgamma);
+        launch_column_sum(exec, self.grad_dtype, dgamma, dbeta, groups, d)
     }
 }
 

@@ -281,6 +281,10 @@ pub struct ColumnSumParams {
     pub partials: u64,
     /// `d` elements of the output dtype.
     pub out: u64,
+    /// A second sum of the same shape in the same launch (dβ next to dγ), or 0: its partials and
+    /// output.
+    pub partials2: u64,
+    pub out2: u64,
     pub groups: u32,
     pub d: u32,
     /// Columns per thread: [`COLUMN_SUM_VECTOR`] (16-byte loads; `d` a multiple of it, the
@@ -300,9 +304,10 @@ pub const COLUMN_SUM_SLICES: usize = COLUMN_SUM_THREADS / WARP;
 /// Columns per thread of the vector column sum: one 16-byte load of f32.
 pub const COLUMN_SUM_VECTOR: usize = 4;
 
-/// Column sum of the fp32 partials into `out` in dtype `T`; launch with [`COLUMN_SUM_THREADS`]
-/// threads and `COLUMN_SUM_THREADS · columns` words of shared memory, any grid (blocks walk slabs
-/// of `32 · columns` columns).
+/// Column sum of the fp32 partials into `out` in dtype `T` (and of `partials2` into `out2`);
+/// launch with [`COLUMN_SUM_THREADS`] threads and `COLUMN_SUM_THREADS · columns` words of shared
+/// memory, any grid (blocks walk slabs of `32 · columns` columns, the first sum's then the
+/// second's).
 ///
 /// Every column is summed in the same order whatever `columns` is (its slice's groups in order,
 /// then the slices in order), so the two give the same bits: the vector one is the same sum with
@@ -329,9 +334,16 @@ unsafe fn column_sum_by<T: Element, const COLUMNS: usize>(p: &ColumnSumParams) {
     let (d, groups) = (p.d as usize, p.groups as usize);
     // This thread's words of shared memory, and its slice-0 reader's.
     let word = |slice: usize| (slice * WARP + lane) * COLUMNS;
-    let mut block = arch::block_idx();
-    while block * WARP * COLUMNS < d {
-        let col = (block * WARP + lane) * COLUMNS;
+    let slabs = d.div_ceil(WARP * COLUMNS);
+    let sums = if p.partials2 != 0 { 2 } else { 1 };
+    let mut item = arch::block_idx();
+    while item < sums * slabs {
+        let (partials, out) = if item < slabs {
+            (p.partials, p.out)
+        } else {
+            (p.partials2, p.out2)
+        };
+        let col = (item % slabs * WARP + lane) * COLUMNS;
         let mut acc = [0.0f32; COLUMNS];
         // `d` is a multiple of `COLUMNS`: a thread's columns are all inside or all past it.
         if col < d {
@@ -351,13 +363,13 @@ unsafe fn column_sum_by<T: Element, const COLUMNS: usize>(p: &ColumnSumParams) {
                     if COLUMNS > 1 {
                         // Unconditional loads (of the last group past the end, then dropped), so
                         // all of them issue before the first add waits.
-                        let row = p.partials + (gu.min(groups - 1) * d * 4) as u64;
+                        let row = partials + (gu.min(groups - 1) * d * 4) as u64;
                         let loaded = unsafe { load_f32s::<true>(row, col, COLUMNS) };
                         for c in 0..COLUMNS {
                             vals[u][c] = if gu < groups { loaded[c] } else { 0.0 };
                         }
                     } else if gu < groups {
-                        let row = p.partials + (gu * d * 4) as u64;
+                        let row = partials + (gu * d * 4) as u64;
                         vals[u][0] = unsafe { load_f32s::<false>(row, col, 1) }[0];
                     }
                 }
@@ -381,11 +393,11 @@ unsafe fn column_sum_by<T: Element, const COLUMNS: usize>(p: &ColumnSumParams) {
                 }
                 let mut pack: Pack = [0; 4];
                 T::set(&mut pack, 0, total);
-                unsafe { Access::<T, false>::store(p.out, col + c, &pack) };
+                unsafe { Access::<T, false>::store(out, col + c, &pack) };
             }
         }
         arch::sync_threads();
-        block += arch::grid_dim();
+        item += arch::grid_dim();
     }
 }
 

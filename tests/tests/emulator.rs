@@ -223,17 +223,22 @@ fn a_grid_that_is_not_whole_clusters_is_refused() {
 #[test]
 fn column_sums_by_one_or_four_columns_give_the_same_bits() {
     // 37 groups (two slices get three, the rest two), 1000 columns: slabs of 32 and of 128, the
-    // last of each partial; a grid of 3 blocks walks them.
+    // last of each partial; a grid of 3 blocks walks them, for two sums in one launch (dγ, dβ).
     let (groups, d) = (37, 1000);
     let mut rng = normkern_tests::Rng::fresh("column_sums");
-    let partials: Vec<f32> = (0..groups * d)
-        .map(|_| rng.uniform(-4.0, 4.0) as f32)
-        .collect();
+    let mut partials = || -> Vec<f32> {
+        (0..groups * d)
+            .map(|_| rng.uniform(-4.0, 4.0) as f32)
+            .collect()
+    };
+    let inputs = [partials(), partials()];
     let sum = |columns: usize| {
-        let out = vec![f32::NAN; d];
+        let outs = [vec![f32::NAN; d], vec![f32::NAN; d]];
         let p = reduce::ColumnSumParams {
-            partials: partials.as_ptr() as u64,
-            out: out.as_ptr() as u64,
+            partials: inputs[0].as_ptr() as u64,
+            out: outs[0].as_ptr() as u64,
+            partials2: inputs[1].as_ptr() as u64,
+            out2: outs[1].as_ptr() as u64,
             groups: groups as u32,
             d: d as u32,
             columns: columns as u32,
@@ -249,16 +254,18 @@ fn column_sums_by_one_or_four_columns_give_the_same_bits() {
             &|| unsafe { body(&p) },
         )
         .unwrap();
-        out
+        outs
     };
     let (one, four) = (sum(1), sum(reduce::COLUMN_SUM_VECTOR));
-    for j in 0..d {
-        let exact: f64 = (0..groups).map(|g| partials[g * d + j] as f64).sum();
-        assert!(
-            (one[j] as f64 - exact).abs() < 1e-4,
-            "column {j}: {} vs {exact}",
-            one[j]
-        );
-        assert_eq!(one[j].to_bits(), four[j].to_bits(), "column {j}");
+    for (i, partials) in inputs.iter().enumerate() {
+        for j in 0..d {
+            let exact: f64 = (0..groups).map(|g| partials[g * d + j] as f64).sum();
+            let got = one[i][j];
+            assert!(
+                (got as f64 - exact).abs() < 1e-4,
+                "sum {i} column {j}: {got} vs {exact}"
+            );
+            assert_eq!(got.to_bits(), four[i][j].to_bits(), "sum {i} column {j}");
+        }
     }
 }
