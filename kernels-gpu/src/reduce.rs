@@ -294,9 +294,10 @@ pub struct ColumnSumParams {
 
 /// Threads per block of [`column_sum`]: 32 lanes × `COLUMN_SUM_SLICES` group slices.
 pub const COLUMN_SUM_THREADS: usize = 512;
-/// Loads each thread of [`column_sum`] keeps in flight: 16 (96 registers, one 512-thread block
-/// per SM) sums 512 groups in two round trips instead of four. It took the dbias backwards from
-/// 79.5–83.5 % to 82.6–84.8 % of copy at 16384×4096 (H200); the sum order does not depend on it.
+/// Loads each thread of [`column_sum`] keeps in flight with one column (half as many, of four
+/// columns each, with [`COLUMN_SUM_VECTOR`]): 16 sums 512 groups in two round trips instead of
+/// four. It took the dbias backwards from 79.5–83.5 % to 82.6–84.8 % of copy at 16384×4096
+/// (H200); the sum order does not depend on it.
 const COLUMN_SUM_UNROLL: usize = 16;
 /// Group slices per block of [`column_sum`]: slice `s` sums groups `s, s + 16, s + 32, …`, then the
 /// slices are added in slice order.
