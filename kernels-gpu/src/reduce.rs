@@ -333,7 +333,7 @@ unsafe fn column_sum_by<T: Element, const COLUMNS: usize>(p: &ColumnSumParams) {
     let tid = arch::thread_idx();
     let (lane, slice) = (tid % WARP, tid / WARP);
     let (d, groups) = (p.d as usize, p.groups as usize);
-    // This thread's words of shared memory, and its slice-0 reader's.
+    // The first shared word of a slice's share of this lane's columns.
     let word = |slice: usize| (slice * WARP + lane) * COLUMNS;
     let slabs = d.div_ceil(WARP * COLUMNS);
     let sums = if p.partials2 != 0 { 2 } else { 1 };
@@ -350,7 +350,7 @@ unsafe fn column_sum_by<T: Element, const COLUMNS: usize>(p: &ColumnSumParams) {
         if col < d {
             // Issue COLUMN_SUM_UNROLL independent loads, then add them in group order: the order
             // is the plain sequential one, the loads overlap instead of waiting one by one.
-            // Four columns per thread keep half as many loads in flight (as many bytes).
+            // Four columns per thread keep half as many loads in flight (twice the bytes).
             let unroll = if COLUMNS > 1 {
                 COLUMN_SUM_UNROLL / 2
             } else {

@@ -222,7 +222,7 @@ fn a_grid_that_is_not_whole_clusters_is_refused() {
 
 #[test]
 fn column_sums_by_one_or_four_columns_give_the_same_bits() {
-    // 37 groups (two slices get three, the rest two), 1000 columns: slabs of 32 and of 128, the
+    // 37 groups (five slices get three, the rest two), 1000 columns: slabs of 32 and of 128, the
     // last of each partial; a grid of 3 blocks walks them, for two sums in one launch (dγ, dβ).
     let (groups, d) = (37, 1000);
     let mut rng = normkern_tests::Rng::fresh("column_sums");
