@@ -246,7 +246,7 @@ impl Forward {
 }
 
 impl Backward {
-    /// The dx + partials kernel, then one fixed-order column sum per parameter gradient.
+    /// The dx + partials kernel, then one fixed-order column-sum launch for dγ (and dβ).
     pub(crate) fn run(self, exec: &dyn Executor) -> Result<()> {
         let (rows, d, dtype) = (self.rows, self.d, self.dtype);
         let (rows_per_group, groups) = group_layout(rows, d);

@@ -1106,11 +1106,7 @@ impl<T: Element, const VEC: bool, const VPT: usize, const CENTERED: bool, S: Row
             }
         }
     }
-}
 
-impl<T: Element, const VEC: bool, const VPT: usize, const CENTERED: bool, S: RowSource<T, VEC>>
-    BackwardTile<'_, T, VEC, VPT, CENTERED, S>
-{
     /// Writes a group's dγ (and dβ) partials: row `group` of each workspace.
     ///
     /// # Safety
