@@ -37,6 +37,17 @@ impl Kernel {
         }
     }
 
+    /// Whether a forward register tile loads the next row before reducing this one
+    /// ([`norm::forward_prefetches`]).
+    pub(crate) fn prefetches(&self) -> bool {
+        match self {
+            Kernel::NormForward(n, v, p) => {
+                norm::forward_prefetches(*n == Norm::Layer, p.residual_family(), v.vpt)
+            }
+            _ => false,
+        }
+    }
+
     /// Whether the kernel stages rows through shared memory beyond [`DEFAULT_SHARED_BYTES`],
     /// which its function must opt into (the context does so when it loads it).
     pub(crate) fn staged(&self) -> bool {
@@ -113,8 +124,10 @@ pub(crate) trait Executor {
     }
 
     /// A persistent grid for `work` items (rows or groups), each taken by a cluster of `cluster`
-    /// blocks (1: by a block): never more clusters than items. Returns the grid in blocks. A grid
-    /// limit below one cluster still launches one.
+    /// blocks (1: by a block): never more clusters than items, and no more than the fewest that
+    /// still walk the items in the same number of rounds, so every cluster takes the same count
+    /// (±1) and none is left alone on a last, nearly empty round. Returns the grid in blocks. A
+    /// grid limit below one cluster still launches one.
     fn persistent_grid(
         &self,
         kernel: &Kernel,
@@ -131,8 +144,16 @@ pub(crate) trait Executor {
         let limit = self
             .grid_limit()
             .map_or(usize::MAX, |blocks| blocks / cluster);
-        Ok(work.min(resident.max(1)).min(limit).max(1) * cluster)
+        Ok(balanced_teams(work, resident.min(limit)) * cluster)
     }
+}
+
+/// Teams (blocks or clusters) for `work` items when at most `most` may run: as few as walk the
+/// items in the fewest rounds. 16384 rows over 528 resident blocks take 32 rounds either way, but
+/// 528 blocks leave 512 of them idle for the last; 512 blocks take 32 rows each.
+fn balanced_teams(work: usize, most: usize) -> usize {
+    let rounds = work.div_ceil(most.max(1)).max(1);
+    work.div_ceil(rounds).max(1)
 }
 
 /// Shared memory every row kernel gets: the words of a block reduction.
@@ -158,7 +179,10 @@ const STREAM_THREADS: usize = 1024;
 
 /// Picks the tile for a row of `d` elements read `len` at a time, among register tiles when
 /// `registers` (the family has them for this access) or else streaming. In order: one block of up
-/// to [`PREFERRED_THREADS`]; one block of up to the kernel's limit; the smallest cluster (up to
+/// to [`PREFERRED_THREADS`]; one block of up to the kernel's limit, tiles that `prefetches` the
+/// next row first (H200, bf16 RMSNorm forward at 4096×16384: 4 packs × 512 threads read 82.3 % of
+/// copy against 67.3 % for 2 × 1024, which does not prefetch; LayerNorm's 2 × 1024, which does,
+/// 79.0 % against 75.8 % for 4 × 512); the smallest cluster (up to
 /// `max_cluster` blocks) whose blocks need at most [`PREFERRED_THREADS`] (fewest accesses per
 /// thread first), then at most the kernel's limit; else streaming, by a cluster of `max_cluster`
 /// blocks. `max_threads` takes the tile and whether it is a cluster instance. The choice depends
@@ -176,6 +200,7 @@ pub(crate) fn row_tile(
     registers: bool,
     max_cluster: usize,
     max_threads: impl Fn(usize, bool) -> Result<usize>,
+    prefetches: impl Fn(usize) -> bool,
 ) -> Result<RowTile> {
     let accesses = d.div_ceil(len);
     let threads_for = |vpt: usize, cluster: usize| {
@@ -187,8 +212,15 @@ pub(crate) fn row_tile(
     let register_tiles: &[usize] = if registers { &[1, 2, 4] } else { &[] };
     let clusters = CLUSTER_SIZES.into_iter().filter(|&c| c <= max_cluster);
     // (vpt, cluster, within the preferred size), in order of preference.
-    let one_block = (register_tiles.iter().map(|&vpt| (vpt, 1, true)))
-        .chain(register_tiles.iter().skip(1).map(|&vpt| (vpt, 1, false)));
+    // Past the preferred size a block fills the SM alone: the tiles that keep the next row in
+    // flight first (a block that waits for its row with nothing else to do idles the SM).
+    let prefetches = &prefetches;
+    let larger_blocks = [true, false].into_iter().flat_map(|prefetching| {
+        (register_tiles.iter().skip(1))
+            .filter(move |&&vpt| prefetches(vpt) == prefetching)
+            .map(|&vpt| (vpt, 1, false))
+    });
+    let one_block = (register_tiles.iter().map(|&vpt| (vpt, 1, true))).chain(larger_blocks);
     let clustered = [true, false].into_iter().flat_map(|preferred| {
         (clusters.clone()).flat_map(move |cluster| {
             register_tiles
@@ -335,8 +367,19 @@ mod tests {
     /// The tile for `d` elements of `len` per access on a device whose kernels take
     /// `regs(vpt, cluster)` registers per thread (64K per SM, 1024 threads per block at most).
     fn pick(d: usize, len: usize, max_cluster: usize, regs: fn(usize, bool) -> usize) -> RowTile {
+        pick_with(d, len, max_cluster, regs, |_| false)
+    }
+
+    /// [`pick`] for kernels whose tiles of `vpt` accesses prefetch as `prefetches` says.
+    fn pick_with(
+        d: usize,
+        len: usize,
+        max_cluster: usize,
+        regs: fn(usize, bool) -> usize,
+        prefetches: fn(usize) -> bool,
+    ) -> RowTile {
         let max_threads = |vpt, cluster| Ok((65536 / regs(vpt, cluster)).min(1024) / 32 * 32);
-        row_tile(d, len, true, max_cluster, max_threads).unwrap()
+        row_tile(d, len, true, max_cluster, max_threads, prefetches).unwrap()
     }
 
     /// Register counts of the bf16 backward instances (ptxas, sm_90).
@@ -364,6 +407,42 @@ mod tests {
         assert_eq!(pick(7, 8, 8, backward_regs), tile(1, 32, 1));
         // 8192 bf16: 4 packs × 256 threads still fit one block.
         assert_eq!(pick(8192, 8, 8, backward_regs), tile(4, 256, 1));
+    }
+
+    /// Register counts of the bf16 forward instances (ptxas, sm_90), RMSNorm's and LayerNorm's
+    /// (which both fit 512 threads of 4 packs and 1024 of 2).
+    fn forward_regs(vpt: usize, _cluster: bool) -> usize {
+        match vpt {
+            1 => 40,
+            2 => 64,
+            _ => 128,
+        }
+    }
+
+    #[test]
+    fn rows_past_the_preferred_block_take_a_tile_that_prefetches() {
+        // 16384 bf16: RMSNorm's 2-pack tile does not prefetch, its 4-pack tile does.
+        let rms = |vpt| norm::forward_prefetches(false, false, vpt);
+        assert_eq!(pick_with(16384, 8, 8, forward_regs, rms), tile(4, 512, 1));
+        // LayerNorm's both do: the one with more warps.
+        let layer = |vpt| norm::forward_prefetches(true, false, vpt);
+        assert_eq!(
+            pick_with(16384, 8, 8, forward_regs, layer),
+            tile(2, 1024, 1)
+        );
+        // Neither prefetches (the residual families): more warps.
+        assert_eq!(pick(16384, 8, 8, forward_regs), tile(2, 1024, 1));
+    }
+
+    #[test]
+    fn persistent_grids_walk_the_items_in_even_rounds() {
+        assert_eq!(balanced_teams(16384, 528), 512);
+        assert_eq!(balanced_teams(16384, 660), 656);
+        assert_eq!(balanced_teams(1000, 528), 500);
+        assert_eq!(balanced_teams(45, 15), 15);
+        assert_eq!(balanced_teams(13, 15), 13);
+        assert_eq!(balanced_teams(0, 528), 1);
+        assert_eq!(balanced_teams(7, 0), 1);
     }
 
     #[test]

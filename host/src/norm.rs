@@ -340,12 +340,19 @@ fn launch_rows(
     let registers = vec || !Norm::scalar_streams(residual);
     // Cluster instances exist for packed access only.
     let max_cluster = if vec { max_cluster } else { 1 };
-    let tile = row_tile(d, len, registers, max_cluster, |vpt, cluster| {
-        let k = kernel(variant(vpt, cluster));
-        Ok(exec
-            .max_threads(&k)?
-            .min(k.threads_within_shared(exec.shared_opt_in())))
-    })?;
+    let tile = row_tile(
+        d,
+        len,
+        registers,
+        max_cluster,
+        |vpt, cluster| {
+            let k = kernel(variant(vpt, cluster));
+            Ok(exec
+                .max_threads(&k)?
+                .min(k.threads_within_shared(exec.shared_opt_in())))
+        },
+        |vpt| kernel(variant(vpt, false)).prefetches(),
+    )?;
     let k = kernel(variant(tile.vpt, tile.cluster > 1));
     let shared_bytes = k.row_shared_bytes(tile.threads);
     let grid = exec.persistent_grid(&k, work, tile.threads, tile.cluster, shared_bytes)?;

@@ -529,11 +529,7 @@ unsafe fn forward_regs<
     };
     let rows = p.rows as usize;
     let mut row = first;
-    // RMSNorm prefetches in the widest tile only: for narrower ones the extra registers cost a
-    // resident block per SM, which hid more latency than the prefetch (H200, 16384×4096 bf16:
-    // 82.6 % of copy without, 78–79 % with; 4096×16384 with the 4-pack tile: 64.5 % without,
-    // 84.5 % with). LayerNorm waits for two reductions per row, so it prefetches from 2 packs on.
-    let prefetch = (VPT >= 4 || (CENTERED && VPT >= 2)) && !S::WIDE;
+    let prefetch = forward_prefetches(CENTERED, S::WIDE, VPT);
     let mut next = if prefetch && row < rows {
         load_row(row)
     } else {
@@ -804,6 +800,16 @@ fn load_stats<const CENTERED: bool>(p: &BackwardParams, row: usize) -> (f32, f32
         0.0
     };
     (mean, unsafe { (p.rstd as *const f32).add(row).read() })
+}
+
+/// Whether a forward register tile (`vpt` ≥ 1) loads the next row before reducing this one.
+/// RMSNorm does in the widest tile only: for narrower ones the extra registers cost a resident
+/// block per SM, which hid more latency than the prefetch (H200, 16384×4096 bf16: 82.6 % of copy
+/// without, 78–79 % with; 4096×16384 with the 4-pack tile: 64.5 % without, 84.5 % with).
+/// LayerNorm waits for two reductions per row, so it prefetches from 2 packs on. The residual
+/// families hold f32 rows: no room.
+pub const fn forward_prefetches(centered: bool, residual: bool, vpt: usize) -> bool {
+    !residual && (vpt >= 4 || (centered && vpt >= 2))
 }
 
 /// Whether a backward register tile holds γ in shared memory rather than in registers:
