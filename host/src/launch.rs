@@ -276,18 +276,20 @@ const WIDE_ROW_TEAMS: usize = 15;
 ///
 /// Rows wider than [`WIDE_ROW_ELEMS`] have few teams walking the groups, so the count of groups
 /// decides the balance: 64 groups of 16 over 15 clusters take 5 rounds where 4.3 would do. Their
-/// group size is picked (from [`norm::STAGES`] up to twice the default) for the shortest busiest
+/// group size is picked (from [`norm::STAGES`] up to one round's worth) for the shortest busiest
 /// team of [`WIDE_ROW_TEAMS`], counting each group's partial row (f32, written and read once) as
-/// 4/3 of a row of 16-bit x, dy and dx. 1024 rows take 45 groups of 23 (3 rounds), and 64 rows,
-/// which had 4 groups of 16 for 15 clusters, take 13 of 5. Any other team count still gets a
-/// valid layout, only a less even one. H200, bf16 backward at 1024×65536: RMSNorm 57.6 → 63.6 %,
-/// LayerNorm 46.1 → 52.1 % of copy; at 64×2²⁰ 10.7 → 15.9 % and 7.0 → 9.7 %.
+/// 4/3 of a row of 16-bit x, dy and dx. 1024 rows take 15 groups of 69 (one round, and a third of
+/// the partial rows of 45 groups of 23), and 64 rows, which had 4 groups of 16 for 15 clusters,
+/// take 13 of 5. Any other team count still gets a valid layout, only a less even one. H200, bf16
+/// backward at 1024×65536: RMSNorm 57.6 → 63.6 %, LayerNorm 46.1 → 52.1 % of copy (64 → 45
+/// groups), then 75.2 → 77.3 % and 62.1 → 64.0 % (45 → 15 groups, one call); at 64×2²⁰ 10.7 →
+/// 15.9 % and 7.0 → 9.7 %.
 pub fn group_layout(rows: usize, d: usize) -> (usize, usize) {
     let fewest_groups = rows.div_ceil(MAX_GROUPS);
     let default = fewest_groups.max(MIN_ROWS_PER_GROUP);
     let per_group = if d > WIDE_ROW_ELEMS {
         let busiest = |p: usize| rows.div_ceil(p).div_ceil(WIDE_ROW_TEAMS) * (3 * p + 4);
-        (fewest_groups.max(norm::STAGES)..=2 * default)
+        (fewest_groups.max(norm::STAGES)..=(2 * default).max(rows.div_ceil(WIDE_ROW_TEAMS)))
             .min_by_key(|&p| busiest(p))
             .unwrap_or(default)
     } else {
@@ -432,6 +434,14 @@ mod tests {
         );
         // Neither prefetches (the residual families): more warps.
         assert_eq!(pick(16384, 8, 8, forward_regs), tile(2, 1024, 1));
+    }
+
+    #[test]
+    fn wide_rows_take_groups_for_one_even_round() {
+        assert_eq!(group_layout(16384, 4096), (32, 512));
+        assert_eq!(group_layout(1024, 65536), (69, 15));
+        assert_eq!(group_layout(64, 1 << 20), (5, 13));
+        assert_eq!(group_layout(3, 1 << 20), (4, 1));
     }
 
     #[test]
