@@ -443,8 +443,12 @@ unsafe fn param<T: Element, const VEC: bool>(
         }
         v
     };
-    for x in v.iter_mut().take(len) {
-        *x += offset;
+    // No `+ 0.0` for β: it is not an identity (−0 + 0 = +0), so every element would issue it.
+    // (γ's offset is a runtime value: its adds are predicated, issued whether 0 or not.)
+    if offset != 0.0 {
+        for x in v.iter_mut().take(len) {
+            *x += offset;
+        }
     }
     v
 }
