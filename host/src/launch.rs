@@ -180,14 +180,15 @@ const STREAM_THREADS: usize = 1024;
 /// Picks the tile for a row of `d` elements read `len` at a time, among register tiles when
 /// `registers` (the family has them for this access) or else streaming. In order: one block of up
 /// to [`PREFERRED_THREADS`]; one block of up to the kernel's limit, tiles that `prefetches` the
-/// next row first (H200, bf16 RMSNorm forward at 4096×16384: 4 packs × 512 threads read 82.3 % of
-/// copy against 67.3 % for 2 × 1024, which does not prefetch; LayerNorm's 2 × 1024, which does,
-/// 79.0 % against 75.8 % for 4 × 512); the smallest cluster (up to
-/// `max_cluster` blocks) whose blocks need at most [`PREFERRED_THREADS`] (fewest accesses per
-/// thread first), then at most the kernel's limit; else streaming, by a cluster of `max_cluster`
-/// blocks. `max_threads` takes the tile and whether it is a cluster instance. The choice depends
-/// on the shape, the device and the kernels' register counts only, never on the grid, so
-/// reductions keep their order.
+/// next row first; the smallest cluster (up to `max_cluster` blocks) whose blocks need at most
+/// [`PREFERRED_THREADS`] (fewest accesses per thread first), then at most the kernel's limit;
+/// else streaming, by a cluster of `max_cluster` blocks. `max_threads` takes the tile and whether
+/// it is a cluster instance. The choice depends on the shape, the device and the kernels'
+/// register counts only, never on the grid, so reductions keep their order.
+///
+/// H200, bf16 forward at 4096×16384, one call: RMSNorm's 4 packs × 512 threads, which prefetch,
+/// read 82.3 % of copy against 67.3 % for 2 × 1024, which do not; LayerNorm's 2 × 1024, which do
+/// too, 79.0 % against 75.8 % for 4 × 512.
 ///
 /// H200, bf16 backward (`bench-results/h200.md`): 4096×16384 takes 4 packs × 256 threads over
 /// clusters of 2 (RMSNorm 72.8 %, LayerNorm 61.6 % of copy at 2b7a4c1; streaming 40.3 / 27.8 %
