@@ -154,7 +154,7 @@ impl Context {
         })
     }
 
-    /// Caps every persistent grid at `blocks` blocks (default: as many as the device keeps
+    /// Caps every persistent grid at `blocks` blocks (default: at most as many as the device keeps
     /// resident); a grid of clusters keeps at least one whole cluster (up to 8 blocks). Results
     /// do not depend on it; tests use it to prove that.
     pub fn with_grid_limit(mut self, blocks: usize) -> Result<Self> {

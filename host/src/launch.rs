@@ -93,7 +93,7 @@ pub(crate) struct Shape {
 pub(crate) trait Executor {
     /// The most threads one block of this kernel may have (the GPU's limit depends on registers).
     fn max_threads(&self, kernel: &Kernel) -> Result<usize>;
-    /// Blocks of this kernel that run at once on the whole device: the persistent grid's size.
+    /// Blocks of this kernel that run at once on the whole device: the most a persistent grid has.
     fn resident_blocks(&self, kernel: &Kernel, block: usize, shared_bytes: usize) -> Result<usize>;
     /// Clusters of `cluster` blocks of this kernel that run at once on the whole device.
     fn resident_clusters(
