@@ -1,9 +1,11 @@
-//! normkern's kernels: fused normalization kernels written as `no_std` Rust and compiled to PTX by
-//! `cargo xtask build-ptx`; on the host the same bodies run in the CPU emulator ([`arch::emu`]).
+//! normkern's kernels: fused normalization and activation kernels written as `no_std` Rust and
+//! compiled to PTX by `cargo xtask build-ptx`; on the host the same bodies run in the CPU emulator
+//! ([`arch::emu`]).
 //!
-//! Layout: [`arch`] holds every intrinsic; [`reduce`] the warp/block sums and the fixed-order
-//! column sum; one module per op family ([`norm`], [`activation`]) holds its launch parameters and bodies.
-//! Element storage and 16-byte access live in [`element`]; [`variant`] names compiled instances.
+//! Layout: [`arch`] holds every intrinsic; [`reduce`] the warp/block/cluster sums; [`element`]
+//! storage dtypes and 16-byte access; one module per op family ([`norm`], [`activation`],
+//! [`column_sum`]) with its launch parameters, bodies and its table of compiled kernels
+//! ([`kernel`]), from which both the PTX entry points and the host's list come.
 #![cfg_attr(target_arch = "nvptx64", no_std)]
 #![cfg_attr(
     target_arch = "nvptx64",
@@ -23,7 +25,17 @@
 
 pub mod activation;
 pub mod arch;
+pub mod column_sum;
 pub mod element;
+pub mod kernel;
 pub mod norm;
 pub mod reduce;
-pub mod variant;
+
+/// Every kernel normkern compiles, whatever its family: what the host loads.
+#[cfg(not(target_arch = "nvptx64"))]
+pub fn kernels() -> impl Iterator<Item = kernel::Entry> {
+    (norm::FORWARD.iter().map(|k| k.entry()))
+        .chain(norm::BACKWARD.iter().map(|k| k.entry()))
+        .chain(column_sum::KERNELS.iter().map(|k| k.entry()))
+        .chain(activation::KERNELS.iter().map(|k| k.entry()))
+}

@@ -1,0 +1,202 @@
+//! The second pass of the deterministic parameter gradients (dγ, dβ, dbias): rows form groups of
+//! consecutive rows, each group writes one fp32 partial row, and the column sum adds the partial
+//! rows in a fixed order.
+//!
+//! The group layout ([`group_layout`]) is a function of the shape alone, never of the grid or the
+//! GPU, and every column is summed in an order fixed by the layout: the gradients are the same bits
+//! on any grid and any GPU, and the partial rows of the groups a GPU owns can be gathered from
+//! several GPUs in group order and summed to the same bits again.
+
+use crate::arch::{self, WARP};
+use crate::element::{Access, Element, Pack, load_f32s};
+#[cfg(not(target_arch = "nvptx64"))]
+use crate::kernel::{Dtype, Table};
+
+/// Most groups of a layout, and fewest rows per group: the fp32 partial rows (written and read
+/// once) stay a few percent of a backward's traffic.
+pub const MAX_GROUPS: usize = 512;
+pub const MIN_ROWS_PER_GROUP: usize = 16;
+/// Rows wider than this many elements are split over clusters of 8 blocks, of which the 132-SM
+/// Hopper parts (H100 SXM, H200) hold [`WIDE_ROW_TEAMS`] at a time.
+const WIDE_ROW_ELEMS: usize = 32768;
+const WIDE_ROW_TEAMS: usize = 15;
+/// Fewest rows per group of rows wider than [`WIDE_ROW_ELEMS`].
+pub const MIN_WIDE_ROWS_PER_GROUP: usize = 4;
+
+/// `(rows_per_group, groups)` for `rows` rows of `d` elements: a function of the shape alone,
+/// which is what makes the gradients the same bits on every grid and every GPU. Every group has
+/// `rows_per_group` rows but the last, which has the rest.
+///
+/// Rows wider than [`WIDE_ROW_ELEMS`] have few teams walking the groups, so the count of groups
+/// decides the balance: 64 groups of 16 over 15 clusters take 5 rounds where 4.3 would do. Their
+/// group size is picked (from [`MIN_WIDE_ROWS_PER_GROUP`] up to one round's worth) for the shortest
+/// busiest team of [`WIDE_ROW_TEAMS`], counting each group's partial row (f32, written and read
+/// once) as 4/3 of a row of 16-bit x, dy and dx: 1024 rows take 15 groups of 69 (one round), and
+/// 64 rows 13 of 5. Any other team count still gets a valid layout, only a less even one.
+pub fn group_layout(rows: usize, d: usize) -> (usize, usize) {
+    let fewest_groups = rows.div_ceil(MAX_GROUPS);
+    let default = fewest_groups.max(MIN_ROWS_PER_GROUP);
+    let per_group = if d > WIDE_ROW_ELEMS {
+        let busiest = |p: usize| rows.div_ceil(p).div_ceil(WIDE_ROW_TEAMS) * (3 * p + 4);
+        (fewest_groups.max(MIN_WIDE_ROWS_PER_GROUP)
+            ..=(2 * default).max(rows.div_ceil(WIDE_ROW_TEAMS)))
+            .min_by_key(|&p| busiest(p))
+            .unwrap_or(default)
+    } else {
+        default
+    };
+    (per_group, rows.div_ceil(per_group))
+}
+
+/// Parameters of the column sum: `out[j] = Σ_g partials[g·d + j]`, g in a fixed order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ColumnSumParams {
+    /// `[groups, d]` fp32 partials.
+    pub partials: u64,
+    /// `d` elements of the output dtype.
+    pub out: u64,
+    /// A second sum of the same shape in the same launch (dβ next to dγ), or 0: its partials and
+    /// output.
+    pub partials2: u64,
+    pub out2: u64,
+    pub groups: u32,
+    pub d: u32,
+    /// Columns per thread: [`COLUMN_SUM_VECTOR`] (16-byte loads; `d` a multiple of it, the
+    /// partials 16-byte aligned) or else one.
+    pub columns: u32,
+}
+
+/// Threads per block of [`column_sum`]: 32 lanes × `COLUMN_SUM_SLICES` group slices.
+pub const COLUMN_SUM_THREADS: usize = 512;
+/// Loads each thread of [`column_sum`] keeps in flight with one column (half as many, of four
+/// columns each, with [`COLUMN_SUM_VECTOR`]): 16 sums 512 groups in two round trips instead of
+/// four. The sum order does not depend on it.
+const COLUMN_SUM_UNROLL: usize = 16;
+/// Group slices per block of [`column_sum`]: slice `s` sums groups `s, s + 16, s + 32, …`, then the
+/// slices are added in slice order.
+pub const COLUMN_SUM_SLICES: usize = COLUMN_SUM_THREADS / WARP;
+/// Columns per thread of the vector column sum: one 16-byte load of f32.
+pub const COLUMN_SUM_VECTOR: usize = 4;
+
+/// Column sum of the fp32 partials into `out` in dtype `T` (and of `partials2` into `out2`);
+/// launch with [`COLUMN_SUM_THREADS`] threads and `COLUMN_SUM_THREADS · columns` words of shared
+/// memory, any grid (blocks walk slabs of `32 · columns` columns, the first sum's then the
+/// second's).
+///
+/// Every column is summed in the same order whatever `columns` is (its slice's groups in order,
+/// then the slices in order), so the two give the same bits: the vector one is the same sum with
+/// a quarter of the loads and slabs four times wider. At 1024×65536 (45 groups) the one-column
+/// sum took 25 µs per parameter (H200, ncu), latency-bound walking 2048 slabs of 32 columns.
+///
+/// # Safety
+/// The params describe valid buffers.
+#[inline(always)]
+pub unsafe fn column_sum<T: Element>(p: &ColumnSumParams) {
+    unsafe {
+        if p.columns as usize == COLUMN_SUM_VECTOR {
+            column_sum_by::<T, COLUMN_SUM_VECTOR>(p)
+        } else {
+            column_sum_by::<T, 1>(p)
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn column_sum_by<T: Element, const COLUMNS: usize>(p: &ColumnSumParams) {
+    let shared = arch::shared_f32();
+    let tid = arch::thread_idx();
+    let (lane, slice) = (tid % WARP, tid / WARP);
+    let (d, groups) = (p.d as usize, p.groups as usize);
+    // The first shared word of a slice's share of this lane's columns.
+    let word = |slice: usize| (slice * WARP + lane) * COLUMNS;
+    let slabs = d.div_ceil(WARP * COLUMNS);
+    let sums = if p.partials2 != 0 { 2 } else { 1 };
+    let mut item = arch::block_idx();
+    while item < sums * slabs {
+        let (partials, out) = if item < slabs {
+            (p.partials, p.out)
+        } else {
+            (p.partials2, p.out2)
+        };
+        let col = (item % slabs * WARP + lane) * COLUMNS;
+        let mut acc = [0.0f32; COLUMNS];
+        // `d` is a multiple of `COLUMNS`: a thread's columns are all inside or all past it.
+        if col < d {
+            // Issue COLUMN_SUM_UNROLL independent loads, then add them in group order: the order
+            // is the plain sequential one, the loads overlap instead of waiting one by one.
+            // Four columns per thread keep half as many loads in flight (twice the bytes).
+            let unroll = if COLUMNS > 1 {
+                COLUMN_SUM_UNROLL / 2
+            } else {
+                COLUMN_SUM_UNROLL
+            };
+            let mut g = slice;
+            while g < groups {
+                let mut vals = [[0.0f32; COLUMNS]; COLUMN_SUM_UNROLL];
+                for u in 0..unroll {
+                    let gu = g + u * COLUMN_SUM_SLICES;
+                    if COLUMNS > 1 {
+                        // Unconditional loads (of the last group past the end, then dropped), so
+                        // all of them issue before the first add waits.
+                        let row = partials + (gu.min(groups - 1) * d * 4) as u64;
+                        let loaded = unsafe { load_f32s::<true>(row, col, COLUMNS) };
+                        for c in 0..COLUMNS {
+                            vals[u][c] = if gu < groups { loaded[c] } else { 0.0 };
+                        }
+                    } else if gu < groups {
+                        let row = partials + (gu * d * 4) as u64;
+                        vals[u][0] = unsafe { load_f32s::<false>(row, col, 1) }[0];
+                    }
+                }
+                for u in 0..unroll {
+                    for c in 0..COLUMNS {
+                        acc[c] += vals[u][c];
+                    }
+                }
+                g += unroll * COLUMN_SUM_SLICES;
+            }
+        }
+        for (c, a) in acc.iter().enumerate() {
+            unsafe { shared.store(word(slice) + c, *a) };
+        }
+        arch::sync_threads();
+        if slice == 0 && col < d {
+            for c in 0..COLUMNS {
+                let mut total = 0.0f32;
+                for s in 0..COLUMN_SUM_SLICES {
+                    total += unsafe { shared.load(word(s) + c) };
+                }
+                let mut pack: Pack = [0; 4];
+                T::set(&mut pack, 0, total);
+                unsafe { Access::<T, false>::store(out, col + c, &pack) };
+            }
+        }
+        arch::sync_threads();
+        item += arch::grid_dim();
+    }
+}
+
+#[cfg(target_arch = "nvptx64")]
+const _: () = {
+    crate::kernel::kernel!(export "column_sum_f32", ColumnSumParams, column_sum::<crate::element::F32>);
+    crate::kernel::kernel!(export "column_sum_f16", ColumnSumParams, column_sum::<crate::element::F16>);
+    crate::kernel::kernel!(export "column_sum_bf16", ColumnSumParams, column_sum::<crate::element::Bf16>);
+};
+
+/// Dynamic shared memory of a column-sum block: one word per column of each thread.
+#[cfg(not(target_arch = "nvptx64"))]
+fn column_sum_shared_bytes(threads: usize) -> usize {
+    threads * 4 * COLUMN_SUM_VECTOR
+}
+
+/// The column sums, by output dtype.
+#[cfg(not(target_arch = "nvptx64"))]
+pub static KERNELS: Table<Dtype, ColumnSumParams> = Table(&[&[&[
+    crate::kernel::kernel!(table "column_sum_f32", Dtype::F32, 80, column_sum_shared_bytes, false,
+        column_sum::<crate::element::F32>),
+    crate::kernel::kernel!(table "column_sum_f16", Dtype::F16, 80, column_sum_shared_bytes, false,
+        column_sum::<crate::element::F16>),
+    crate::kernel::kernel!(table "column_sum_bf16", Dtype::Bf16, 80, column_sum_shared_bytes, false,
+        column_sum::<crate::element::Bf16>),
+]]]);

@@ -1,0 +1,129 @@
+//! The tables of compiled kernels: one per op family, each declared once in the family's module.
+//!
+//! A family's table macro expands every line twice from the same tokens: on nvptx into the PTX
+//! entry points (`#[export_name]` kernels), on the host into a [`Table`] of [`Kernel`]s, each with
+//! its entry name, the key the host's launch plan selects it by, and the same body as a function
+//! pointer for the emulator. The host loads exactly the entries its table lists, so a kernel that
+//! is declared is compiled, and one that is compiled is loadable; `tests` in the host crate check
+//! the committed PTX against the tables on a machine without a GPU.
+
+/// Storage dtype of a kernel's row operands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl Dtype {
+    pub const ALL: [Dtype; 3] = [Dtype::F32, Dtype::F16, Dtype::Bf16];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Dtype::F32 => "f32",
+            Dtype::F16 => "f16",
+            Dtype::Bf16 => "bf16",
+        }
+    }
+
+    pub const fn bytes(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::F16 | Dtype::Bf16 => 2,
+        }
+    }
+}
+
+/// One compiled kernel of a family whose launch parameters are `P`, selected by key `K`.
+#[cfg(not(target_arch = "nvptx64"))]
+#[derive(Debug)]
+pub struct Kernel<K: 'static, P: 'static> {
+    /// The PTX entry name.
+    pub name: &'static str,
+    pub key: K,
+    /// The oldest PTX target compiled with it: 90 for thread-block clusters, else 80.
+    pub min_arch: u32,
+    /// Dynamic shared memory (bytes) of one block of `threads` threads.
+    pub shared_bytes: fn(usize) -> usize,
+    /// Whether that can exceed the 48 KiB every kernel may use: the function must opt into the
+    /// device's own limit when it is loaded.
+    pub large_shared: bool,
+    /// The body, for the emulator; the same generic instance the PTX entry runs.
+    pub body: unsafe fn(&P),
+}
+
+/// A family's kernels as its table macro declares them: per table line, groups of that line's
+/// instances.
+#[cfg(not(target_arch = "nvptx64"))]
+pub struct Table<K: 'static, P: 'static>(pub &'static [&'static [&'static [Kernel<K, P>]]]);
+
+#[cfg(not(target_arch = "nvptx64"))]
+impl<K: PartialEq, P> Table<K, P> {
+    /// Every kernel of the family.
+    pub fn iter(&self) -> impl Iterator<Item = &'static Kernel<K, P>> + Clone {
+        self.0.iter().flat_map(|line| line.iter()).flat_map(|group| group.iter())
+    }
+
+    /// The kernel with this key, if the family has one.
+    pub fn find(&self, key: &K) -> Option<&'static Kernel<K, P>> {
+        self.iter().find(|k| k.key == *key)
+    }
+}
+
+/// What the host needs of any kernel to load it, whatever its family.
+#[cfg(not(target_arch = "nvptx64"))]
+#[derive(Clone, Copy, Debug)]
+pub struct Entry {
+    pub name: &'static str,
+    pub min_arch: u32,
+    pub large_shared: bool,
+    /// The kernel's identity: the address of its table entry.
+    pub id: usize,
+}
+
+#[cfg(not(target_arch = "nvptx64"))]
+impl<K, P> Kernel<K, P> {
+    /// The kernel's identity: the address of its table entry, which is unique and fixed.
+    pub fn id(&'static self) -> usize {
+        self as *const Self as usize
+    }
+
+    pub fn entry(&'static self) -> Entry {
+        Entry {
+            name: self.name,
+            min_arch: self.min_arch,
+            large_shared: self.large_shared,
+            id: self.id(),
+        }
+    }
+}
+
+/// Dynamic shared memory of kernels that use none.
+#[cfg(not(target_arch = "nvptx64"))]
+pub const fn no_shared(_threads: usize) -> usize {
+    0
+}
+
+/// One kernel from one table line: on nvptx its PTX entry point (an item), elsewhere its
+/// [`Kernel`] (an expression). `$instance` is the generic body with every parameter given.
+macro_rules! kernel {
+    (export $name:expr, $params:ty, $($instance:tt)*) => {
+        const _: () = {
+            #[unsafe(export_name = $name)]
+            unsafe extern "ptx-kernel" fn entry(p: $params) {
+                unsafe { $($instance)*(&p) }
+            }
+        };
+    };
+    (table $name:expr, $key:expr, $min_arch:expr, $shared:expr, $large:expr, $($instance:tt)*) => {
+        $crate::kernel::Kernel {
+            name: $name,
+            key: $key,
+            min_arch: $min_arch,
+            shared_bytes: $shared,
+            large_shared: $large,
+            body: $($instance)*,
+        }
+    };
+}
+pub(crate) use kernel;

@@ -1,0 +1,299 @@
+//! The backward: dx and one dγ (and dβ) partial row per group of rows, from a register tile
+//! ([`super::tile`]), rows staged through shared memory ([`super::staged`]) or a streamed row.
+
+use super::Normalization;
+use super::params::BackwardParams;
+use super::policy::{STREAM, staged};
+use super::rows::{Plain, ResidualBackward, RowSource, param, row_stats_stream};
+use super::staged::backward_staged;
+use super::tile::BackwardTile;
+use crate::arch;
+use crate::element::{Access, Element, load_f32s, row_addr, store_f32s};
+use crate::reduce::{PendingSums, RowReducer, Team};
+
+/// The backward: dx, and one dγ (and dβ) partial row per group; launch any grid (blocks walk
+/// groups by grid stride), then [`crate::column_sum`] over the partials.
+///
+/// # Safety
+/// As for [`forward`]; each partials buffer holds `groups · d` f32, 16-byte aligned.
+#[inline(always)]
+pub unsafe fn backward<
+    T: Element,
+    const VEC: bool,
+    const VPT: usize,
+    N: Normalization,
+    const RESIDUAL: bool,
+    const CLUSTER: bool,
+>(
+    p: &BackwardParams,
+) {
+    let team = Team::new(CLUSTER);
+    let plain = Plain {
+        x: p.x,
+        stride: p.x_stride,
+    };
+    unsafe {
+        match (VPT == STREAM, RESIDUAL) {
+            (true, false) => backward_stream::<T, VEC, N, _>(p, plain, team),
+            (true, true) => {
+                backward_stream::<T, VEC, N, _>(p, ResidualBackward::new(p), team)
+            }
+            (false, false) if staged(CLUSTER, RESIDUAL, VPT) => {
+                backward_staged::<T, VEC, VPT, N>(p, plain, team)
+            }
+            (false, false) => backward_regs::<T, VEC, VPT, N, _>(p, plain, team),
+            (false, true) => {
+                backward_regs::<T, VEC, VPT, N, _>(p, ResidualBackward::new(p), team)
+            }
+        }
+    }
+    team.finish();
+}
+
+/// Pass 1 of the backward over some elements of a row: `Σ dŷ` and `Σ dŷ·(x−μ)`, the second to be
+/// scaled by rstd once per row ([`RowSums::start`]) rather than once per element.
+#[derive(Clone, Copy, Default)]
+pub(super) struct RowSums {
+    dy_hat: f32,
+    dot: f32,
+}
+
+impl RowSums {
+    /// Adds one element: `dy_hat = dy·γ`, `centered = x − μ`.
+    #[inline(always)]
+    pub(super) fn add(&mut self, dy_hat: f32, centered: f32) {
+        self.dy_hat += dy_hat;
+        self.dot = arch::fma(dy_hat, centered, self.dot);
+    }
+
+    /// Starts the reduction of the row's sums (RMSNorm needs only the second);
+    /// `Σ dŷ·x̂ = rstd·Σ dŷ·(x−μ)`.
+    ///
+    /// # Safety
+    /// As for [`RowReducer::start`].
+    #[inline(always)]
+    pub(super) unsafe fn start<N: Normalization>(
+        self,
+        reducer: &mut RowReducer,
+        rstd: f32,
+    ) -> PendingSums {
+        let dot = self.dot * rstd;
+        if N::CENTERED {
+            unsafe { reducer.start([self.dy_hat, dot]) }
+        } else {
+            unsafe { reducer.start([dot]) }
+        }
+    }
+
+    /// `(mean(dŷ), mean(dŷ·x̂))` of a row from the sums [`Self::start`] started.
+    ///
+    /// # Safety
+    /// As for [`RowReducer::finish`].
+    #[inline(always)]
+    pub(super) unsafe fn means<N: Normalization>(
+        reducer: &mut RowReducer,
+        sums: PendingSums,
+        inv_d: f32,
+    ) -> (f32, f32) {
+        if N::CENTERED {
+            let [a, b] = unsafe { reducer.finish(sums) };
+            (a * inv_d, b * inv_d)
+        } else {
+            (0.0, unsafe { reducer.finish::<1>(sums) }[0] * inv_d)
+        }
+    }
+}
+
+/// dx of a row in two FMAs per element: `rstd·(dŷ − mean(dŷ) − x̂·mean(dŷ·x̂))` is
+/// `rstd·dŷ + (x−μ)·c + b` with `c = −rstd²·mean(dŷ·x̂)` and `b = −rstd·mean(dŷ)`.
+#[derive(Clone, Copy)]
+pub(super) struct DxRow {
+    mean: f32,
+    rstd: f32,
+    c: f32,
+    b: f32,
+}
+
+impl DxRow {
+    #[inline(always)]
+    pub(super) fn new((mean, rstd): (f32, f32), (mean_dy_hat, mean_dot): (f32, f32)) -> Self {
+        DxRow {
+            mean,
+            rstd,
+            c: -(rstd * rstd * mean_dot),
+            b: -(rstd * mean_dy_hat),
+        }
+    }
+
+    /// `(dx, x̂)` of one element.
+    #[inline(always)]
+    pub(super) fn dx(&self, x: f32, dy_hat: f32) -> (f32, f32) {
+        let centered = x - self.mean;
+        let dx = arch::fma(self.rstd, dy_hat, arch::fma(centered, self.c, self.b));
+        (dx, centered * self.rstd)
+    }
+}
+
+/// The saved statistics of a row: `(μ, rstd)` (μ = 0 for RMSNorm); zeros when they are to be
+/// recomputed (`rstd == 0`).
+#[inline(always)]
+pub(super) fn load_stats<N: Normalization>(p: &BackwardParams, row: usize) -> (f32, f32) {
+    if p.rstd == 0 {
+        return (0.0, 0.0);
+    }
+    let mean = if N::CENTERED {
+        unsafe { (p.mean as *const f32).add(row).read() }
+    } else {
+        0.0
+    };
+    (mean, unsafe { (p.rstd as *const f32).add(row).read() })
+}
+
+#[inline(always)]
+pub(super) unsafe fn backward_regs<
+    T: Element,
+    const VEC: bool,
+    const VPT: usize,
+    N: Normalization,
+    S: RowSource<T, VEC>,
+>(
+    p: &BackwardParams,
+    src: S,
+    team: Team,
+) {
+    let mut reducer = unsafe { RowReducer::new(team.cluster) };
+    let tile = unsafe { BackwardTile::<T, VEC, VPT, N, S>::new(p, src, team) };
+    let rows = p.rows as usize;
+    let prefetch = tile.prefetch;
+    let mut group = team.first;
+    while group < p.groups as usize {
+        let first = group * p.rows_per_group as usize;
+        let end = (first + p.rows_per_group as usize).min(rows);
+        let mut dgamma = [[0.0f32; 8]; VPT];
+        let mut dbeta = [[0.0f32; 8]; VPT];
+        let mut next = BackwardTile::<T, VEC, VPT, N, S>::empty();
+        if prefetch && first < end {
+            next = unsafe { tile.load(first) };
+        }
+        for row in first..end {
+            let this = if prefetch {
+                next
+            } else {
+                unsafe { tile.load(row) }
+            };
+            if prefetch && row + 1 < end {
+                next = unsafe { tile.load(row + 1) };
+            }
+            unsafe {
+                let pass1 = tile.pass1(&mut reducer, &this);
+                tile.pass2(&mut reducer, row, &this, pass1, &mut dgamma, &mut dbeta);
+            }
+        }
+        unsafe { tile.store_partials(group, &dgamma, &dbeta) };
+        group += team.stride;
+    }
+}
+
+#[inline(always)]
+pub(super) unsafe fn backward_stream<
+    T: Element,
+    const VEC: bool,
+    N: Normalization,
+    S: RowSource<T, VEC>,
+>(
+    p: &BackwardParams,
+    src: S,
+    team: Team,
+) {
+    let mut reducer = unsafe { RowReducer::new(team.cluster) };
+    let len = Access::<T, VEC>::LEN;
+    let Team {
+        tid,
+        threads,
+        first,
+        stride,
+        ..
+    } = team;
+    let d = p.d as usize;
+    let accesses = d.div_ceil(len);
+    let with_dbeta = N::CENTERED && p.dbeta_partials != 0;
+    let rows = p.rows as usize;
+    let mut group = first;
+    while group < p.groups as usize {
+        let first = group * p.rows_per_group as usize;
+        let end = (first + p.rows_per_group as usize).min(rows);
+        // Too wide for registers: the group's partials accumulate in its own workspace rows,
+        // which only this block touches (each thread re-reads exactly what it wrote).
+        let offset = (group * d * 4) as u64;
+        for row in first..end {
+            let src_row = src.row(row);
+            let dy_row = row_addr::<T>(p.dy, row, p.dy_stride);
+            let (mean, rstd) = if p.rstd == 0 {
+                unsafe {
+                    row_stats_stream::<T, VEC, N, S>(
+                        &mut reducer,
+                        team,
+                        &src,
+                        row,
+                        d,
+                        p.inv_d,
+                        p.eps,
+                    )
+                }
+            } else {
+                load_stats::<N>(p, row)
+            };
+            let mut sums = RowSums::default();
+            let mut a = tid;
+            while a < accesses {
+                let x = src.hold(&unsafe { src.load(&src_row, a * len) });
+                let dy = unsafe { Access::<T, VEC>::load(dy_row, a * len) };
+                let g = unsafe { param::<T, VEC>(p.gamma, a * len, p.params_f32, p.gamma_offset) };
+                for i in 0..len {
+                    sums.add(T::get(&dy, i) * g[i], S::get(&x, i) - mean);
+                }
+                a += threads;
+            }
+            let dx_of = DxRow::new((mean, rstd), unsafe {
+                let sums = sums.start::<N>(&mut reducer, rstd);
+                RowSums::means::<N>(&mut reducer, sums, p.inv_d)
+            });
+            let dx_row = row_addr::<T>(p.dx, row, p.dx_stride);
+            let mut a = tid;
+            while a < accesses {
+                let x = src.hold(&unsafe { src.load(&src_row, a * len) });
+                let extra = unsafe { src.load_extra(&src_row, a * len) };
+                let dy = unsafe { Access::<T, VEC>::load(dy_row, a * len) };
+                let g = unsafe { param::<T, VEC>(p.gamma, a * len, p.params_f32, p.gamma_offset) };
+                let (mut dgamma, mut dbeta) = if row == first {
+                    ([0.0f32; 8], [0.0f32; 8])
+                } else {
+                    let dbeta = if with_dbeta {
+                        unsafe { load_f32s::<VEC>(p.dbeta_partials + offset, a * len, len) }
+                    } else {
+                        [0.0; 8]
+                    };
+                    (
+                        unsafe { load_f32s::<VEC>(p.partials + offset, a * len, len) },
+                        dbeta,
+                    )
+                };
+                let mut dx = [0.0f32; 8];
+                for i in 0..len {
+                    let dy_i = T::get(&dy, i);
+                    let (v, x_hat) = dx_of.dx(S::get(&x, i), dy_i * g[i]);
+                    dx[i] = src.dx(&extra, i, v);
+                    dgamma[i] = arch::fma(dy_i, x_hat, dgamma[i]);
+                    dbeta[i] += dy_i;
+                }
+                unsafe { Access::<T, VEC>::store(dx_row, a * len, &T::pack(&dx, len)) };
+                unsafe { store_f32s::<VEC>(p.partials + offset, a * len, &dgamma, len) };
+                if with_dbeta {
+                    unsafe { store_f32s::<VEC>(p.dbeta_partials + offset, a * len, &dbeta, len) };
+                }
+                a += threads;
+            }
+        }
+        group += stride;
+    }
+}

@@ -1,0 +1,215 @@
+//! The forward: y and the row statistics, from a register tile or a streamed row.
+
+use super::Normalization;
+use crate::arch;
+use super::params::ForwardParams;
+use super::policy::{STREAM, forward_prefetches};
+use super::rows::{AddResidual, Plain, RowSource, param, row_stats_regs, row_stats_stream};
+use crate::element::{Access, Element, Pack, row_addr};
+use crate::reduce::{RowReducer, Team};
+
+/// Writes the row's statistics (thread 0 of the team only).
+#[inline(always)]
+pub(super) fn save_stats<N: Normalization>(
+    p: &ForwardParams,
+    team: Team,
+    row: usize,
+    mean: f32,
+    rstd: f32,
+) {
+    if team.tid == 0 {
+        if p.rstd != 0 {
+            unsafe { (p.rstd as *mut f32).add(row).write(rstd) };
+        }
+        if N::CENTERED && p.mean != 0 {
+            unsafe { (p.mean as *mut f32).add(row).write(mean) };
+        }
+    }
+}
+
+/// `y` of one element: `(x−μ)·rstd·γ (+ β)`.
+#[inline(always)]
+pub(super) fn normalize<N: Normalization>(x: f32, mean: f32, rstd: f32, gamma: f32, beta: f32) -> f32 {
+    if N::CENTERED {
+        arch::fma((x - mean) * rstd, gamma, beta)
+    } else {
+        x * rstd * gamma
+    }
+}
+
+/// The forward; launch one block per row, any grid (blocks walk rows by grid stride).
+///
+/// # Safety
+/// The params describe valid, non-overlapping buffers laid out as the kernel's [`super::NormKey`]
+/// requires; the block is a multiple of 32 threads with enough of them to cover the row in `VPT`.
+#[inline(always)]
+pub unsafe fn forward<
+    T: Element,
+    const VEC: bool,
+    const VPT: usize,
+    N: Normalization,
+    const RESIDUAL: bool,
+    const CLUSTER: bool,
+>(
+    p: &ForwardParams,
+) {
+    let team = Team::new(CLUSTER);
+    let plain = Plain {
+        x: p.x,
+        stride: p.x_stride,
+    };
+    unsafe {
+        match (VPT == STREAM, RESIDUAL) {
+            (true, false) => forward_stream::<T, VEC, N, _>(p, plain, team),
+            (true, true) => forward_stream::<T, VEC, N, _>(p, AddResidual::new(p), team),
+            (false, false) => forward_regs::<T, VEC, VPT, N, _>(p, plain, team),
+            (false, true) => forward_regs::<T, VEC, VPT, N, _>(p, AddResidual::new(p), team),
+        }
+    }
+    team.finish();
+}
+
+#[inline(always)]
+pub(super) unsafe fn forward_regs<
+    T: Element,
+    const VEC: bool,
+    const VPT: usize,
+    N: Normalization,
+    S: RowSource<T, VEC>,
+>(
+    p: &ForwardParams,
+    src: S,
+    team: Team,
+) {
+    let mut reducer = unsafe { RowReducer::new(team.cluster) };
+    let len = Access::<T, VEC>::LEN;
+    let Team {
+        tid,
+        threads,
+        first,
+        stride,
+        ..
+    } = team;
+    let d = p.d as usize;
+    let elem = |k: usize| (tid + k * threads) * len;
+    // γ and β are re-read for every row (from L1: every block of the SM reads the same few KB)
+    // rather than held: as f32 they would take 16 registers per pack each, a resident block.
+    // As in the backward, the next row's loads can be issued before this row's reduction and stores.
+    let load_row = |row: usize| {
+        let src_row = src.row(row);
+        let mut x = [S::Raw::default(); VPT];
+        for (k, xk) in x.iter_mut().enumerate() {
+            if elem(k) < d {
+                *xk = unsafe { src.load(&src_row, elem(k)) };
+            }
+        }
+        x
+    };
+    let rows = p.rows as usize;
+    let mut row = first;
+    let prefetch = forward_prefetches(N::CENTERED, S::WIDE, VPT);
+    let mut next = if prefetch && row < rows {
+        load_row(row)
+    } else {
+        [S::Raw::default(); VPT]
+    };
+    while row < rows {
+        let raw = if prefetch { next } else { load_row(row) };
+        if prefetch && row + stride < rows {
+            next = load_row(row + stride);
+        }
+        let mut x = [S::Held::default(); VPT];
+        for k in 0..VPT {
+            x[k] = src.hold(&raw[k]);
+        }
+        let (mean, rstd) = unsafe {
+            row_stats_regs::<T, VEC, VPT, N, S>(&mut reducer, team, &x, d, p.inv_d, p.eps)
+        };
+        save_stats::<N>(p, team, row, mean, rstd);
+        let y_row = row_addr::<T>(p.y, row, p.y_stride);
+        let src_row = src.row(row);
+        for k in 0..VPT {
+            if elem(k) < d {
+                unsafe { src.emit(&src_row, elem(k), &x[k]) };
+                let gamma =
+                    unsafe { param::<T, VEC>(p.gamma, elem(k), p.params_f32, p.gamma_offset) };
+                let beta = if N::CENTERED && p.beta != 0 {
+                    unsafe { param::<T, VEC>(p.beta, elem(k), p.params_f32, 0.0) }
+                } else {
+                    [0.0; 8]
+                };
+                let mut y = [0.0f32; 8];
+                for i in 0..len {
+                    y[i] = normalize::<N>(S::get(&x[k], i), mean, rstd, gamma[i], beta[i]);
+                }
+                unsafe { Access::<T, VEC>::store(y_row, elem(k), &T::pack(&y, len)) };
+            }
+        }
+        row += stride;
+    }
+}
+
+#[inline(always)]
+pub(super) unsafe fn forward_stream<
+    T: Element,
+    const VEC: bool,
+    N: Normalization,
+    S: RowSource<T, VEC>,
+>(
+    p: &ForwardParams,
+    src: S,
+    team: Team,
+) {
+    let mut reducer = unsafe { RowReducer::new(team.cluster) };
+    let len = Access::<T, VEC>::LEN;
+    let Team {
+        tid,
+        threads,
+        first,
+        stride,
+        ..
+    } = team;
+    let d = p.d as usize;
+    let accesses = d.div_ceil(len);
+    let mut row = first;
+    while row < p.rows as usize {
+        // Every pass re-reads the inputs (from L2) rather than the residual sum it wrote: the
+        // sum is only written once, in the last pass.
+        let (mean, rstd) = unsafe {
+            row_stats_stream::<T, VEC, N, S>(
+                &mut reducer,
+                team,
+                &src,
+                row,
+                d,
+                p.inv_d,
+                p.eps,
+            )
+        };
+        save_stats::<N>(p, team, row, mean, rstd);
+        let y_row = row_addr::<T>(p.y, row, p.y_stride);
+        let src_row = src.row(row);
+        let mut a = tid;
+        while a < accesses {
+            let x = src.hold(&unsafe { src.load(&src_row, a * len) });
+            unsafe { src.emit(&src_row, a * len, &x) };
+            let g = unsafe { param::<T, VEC>(p.gamma, a * len, p.params_f32, p.gamma_offset) };
+            let b = if N::CENTERED && p.beta != 0 {
+                unsafe { param::<T, VEC>(p.beta, a * len, p.params_f32, 0.0) }
+            } else {
+                [0.0; 8]
+            };
+            let mut y: Pack = [0; 4];
+            for i in 0..len {
+                T::set(
+                    &mut y,
+                    i,
+                    normalize::<N>(S::get(&x, i), mean, rstd, g[i], b[i]),
+                );
+            }
+            unsafe { Access::<T, VEC>::store(y_row, a * len, &y) };
+            a += threads;
+        }
+        row += stride;
+    }
+}

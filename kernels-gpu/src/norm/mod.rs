@@ -1,0 +1,237 @@
+//! RMSNorm and LayerNorm, forward and backward: one set of bodies over a [`Normalization`]
+//! ([`RmsNorm`] or [`LayerNorm`]; LayerNorm centres the row, RMSNorm does not).
+//!
+//! Forward, per row: LayerNorm `μ = mean(x)`, `rstd = 1/sqrt(mean((x−μ)²) + eps)`,
+//! `y = (x−μ)·rstd·γ + β` (β optional), saving fp32 μ and rstd; RMSNorm the same with μ = 0 and
+//! no β, saving rstd. The row is on chip, so the variance is the exact two-pass one.
+//! `γ + offset` (offset in fp32, Gemma's `1 + γ`) stands for γ everywhere; dγ does not see it.
+//! Backward, per row: `x̂ = (x−μ)·rstd` (recomputed from x and the saved statistics, never stored;
+//! with nothing saved the statistics themselves are recomputed from the row, one more reduction),
+//! `dŷ = dy·γ`, `dx = rstd·(dŷ − mean(dŷ) − x̂·mean(dŷ·x̂))` (RMSNorm drops `mean(dŷ)`).
+//! dγ = Σ_rows dy·x̂ and dβ = Σ_rows dy: each group of `rows_per_group` consecutive rows accumulates
+//! its partials in fp32 registers and writes one row of each `[groups, d]` fp32 workspace;
+//! [`crate::column_sum`] then adds the groups in a fixed order. The group count is a function of
+//! the shape only ([`crate::column_sum::group_layout`]), so dγ and dβ are the same bits on any
+//! grid and any GPU.
+//!
+//! Residual fusion (the `_res` kernels): the forward reads `x` and `residual`, writes
+//! `h = x + residual` (fp32 sum, one rounding) to `residual_out` and normalizes h *as stored*, so a
+//! backward that takes `residual_out` as its x sees exactly the row the forward normalized. The
+//! backward adds the gradient arriving on `residual_out` into dx before its one rounding. Residual
+//! rows are in the activations' dtype or f32 (a runtime flag, like the parameters'), so one kernel
+//! covers both. The plain kernels contain none of it: where the row comes from is a type parameter
+//! of the bodies ([`rows`]), so they do no residual work.
+//!
+//! One block works on one row at a time. Register tiles (`VPT` = 1, 2, 4 accesses per thread)
+//! load the whole row once and keep it on chip: 16-byte packs give every thread `VPT·16` bytes in
+//! flight per operand. Rows too wide for one block's registers are split over a cluster of blocks
+//! (sm_90; the `CLUSTER` instances, [`crate::reduce::Team`]): each block holds its share of the
+//! row and [`crate::reduce::RowReducer`] adds the blocks' partial sums through distributed shared
+//! memory; their backward has its rows copied into a ring in shared memory by the copy engine
+//! ([`staged`]). Rows wider still, or any too wide for a block before sm_90, use the streaming
+//! instance (`VPT` = [`STREAM`]), which reads the row more than once (the later reads mostly hit
+//! L2), over a cluster where there is one.
+//!
+//! Parts: [`params`] (launch parameters), [`rows`] (where a row comes from, γ/β, statistics),
+//! [`forward`], [`backward`] (its register tile in [`tile`], the staged ring in [`staged`]),
+//! [`policy`] (per-instance choices and shared memory), and the kernel table below.
+
+pub mod backward;
+pub mod forward;
+pub mod params;
+pub mod policy;
+mod rows;
+mod staged;
+mod tile;
+
+pub use params::{BackwardParams, ForwardParams};
+pub use policy::{STREAM, forward_prefetches};
+pub use staged::STAGES;
+
+use crate::kernel::Dtype;
+#[cfg(not(target_arch = "nvptx64"))]
+use crate::kernel::Table;
+use backward::backward;
+use forward::forward;
+#[cfg(not(target_arch = "nvptx64"))]
+use policy::{
+    backward_large_shared, backward_shared_bytes, forward_large_shared, forward_shared_bytes,
+};
+
+/// Which norm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Norm {
+    Rms,
+    Layer,
+}
+
+/// A norm as a type parameter of the kernel bodies.
+pub trait Normalization: 'static {
+    const NORM: Norm;
+    /// Subtracts the row's mean (LayerNorm) before scaling by its rstd.
+    const CENTERED: bool;
+}
+
+/// RMSNorm: `y = x·rstd·γ`, `rstd = 1/sqrt(mean(x²) + eps)`.
+pub struct RmsNorm;
+/// LayerNorm: `y = (x−μ)·rstd·γ + β`.
+pub struct LayerNorm;
+
+impl Normalization for RmsNorm {
+    const NORM: Norm = Norm::Rms;
+    const CENTERED: bool = false;
+}
+impl Normalization for LayerNorm {
+    const NORM: Norm = Norm::Layer;
+    const CENTERED: bool = true;
+}
+
+/// What selects one compiled norm kernel, forward or backward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct NormKey {
+    pub norm: Norm,
+    /// The residual kernels (`_res`): h = x + residual in the forward, dresidual in the backward.
+    pub residual: bool,
+    pub dtype: Dtype,
+    /// 16-byte packs (every operand aligned, `d` and strides multiples of the pack) or single
+    /// elements (any layout).
+    pub vec: bool,
+    /// Accesses per thread held in registers, or [`STREAM`].
+    pub vpt: usize,
+    /// A row is shared by the blocks of a thread-block cluster (sm_90, packed access only).
+    pub cluster: bool,
+}
+
+/// Declares the norm kernels: for each line, every dtype with packed access over the register
+/// tiles and the streaming tile, with single-element access over the same (`single all`) or the
+/// streaming tile only (`single stream`), and the cluster instances (packed, every tile, sm_90).
+/// Entry names: `<name>_<dtype>_<v|s><tile suffix>[c]`.
+macro_rules! norm_kernels {
+    (
+        register_tiles: $tiles:tt;
+        $( $table:ident: $params:ty = $body:ident, shared $shared:ident, large $large:ident {
+            $( $name:literal => $norm:ident, residual $res:literal, single $single:ident; )*
+        } )*
+    ) => {
+        $( $(
+            #[cfg(target_arch = "nvptx64")]
+            norm_kernels!(@export $name, $params, $body, $norm, $res, $single, $tiles);
+        )* )*
+        $(
+            #[cfg(not(target_arch = "nvptx64"))]
+            pub static $table: Table<NormKey, $params> = Table(&[$(
+                &[
+                    norm_kernels!(@group $name, "f32", F32, $params, $body, $shared, $large, $norm, $res, packed, $tiles),
+                    norm_kernels!(@group $name, "f32", F32, $params, $body, $shared, $large, $norm, $res, $single, $tiles),
+                    norm_kernels!(@group $name, "f32", F32, $params, $body, $shared, $large, $norm, $res, cluster, $tiles),
+                    norm_kernels!(@group $name, "f16", F16, $params, $body, $shared, $large, $norm, $res, packed, $tiles),
+                    norm_kernels!(@group $name, "f16", F16, $params, $body, $shared, $large, $norm, $res, $single, $tiles),
+                    norm_kernels!(@group $name, "f16", F16, $params, $body, $shared, $large, $norm, $res, cluster, $tiles),
+                    norm_kernels!(@group $name, "bf16", Bf16, $params, $body, $shared, $large, $norm, $res, packed, $tiles),
+                    norm_kernels!(@group $name, "bf16", Bf16, $params, $body, $shared, $large, $norm, $res, $single, $tiles),
+                    norm_kernels!(@group $name, "bf16", Bf16, $params, $body, $shared, $large, $norm, $res, cluster, $tiles),
+                ]
+            ),*]);
+        )*
+    };
+
+    // The PTX entries of one line.
+    (@export $name:literal, $params:ty, $body:ident, $norm:ident, $res:literal, $single:ident, $tiles:tt) => {
+        norm_kernels!(@export_dtype $name, "f32", F32, $params, $body, $norm, $res, $single, $tiles);
+        norm_kernels!(@export_dtype $name, "f16", F16, $params, $body, $norm, $res, $single, $tiles);
+        norm_kernels!(@export_dtype $name, "bf16", Bf16, $params, $body, $norm, $res, $single, $tiles);
+    };
+    (@export_dtype $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $norm:ident,
+        $res:literal, $single:ident, [$($vpt:literal $sfx:literal),*]) => {
+        $( norm_kernels!(@export_one concat!($name, "_", $dn, "_v", $sfx), $params, $body, $t, true, $vpt, $norm, $res, false); )*
+        norm_kernels!(@export_one concat!($name, "_", $dn, "_vx"), $params, $body, $t, true, 0, $norm, $res, false);
+        norm_kernels!(@export_single $single, $name, $dn, $t, $params, $body, $norm, $res, [$($vpt $sfx),*]);
+        // Clusters exist from sm_90 on: only that build compiles these.
+        #[cfg(target_feature = "sm_90")]
+        const _: () = {
+            $( norm_kernels!(@export_one concat!($name, "_", $dn, "_v", $sfx, "c"), $params, $body, $t, true, $vpt, $norm, $res, true); )*
+            norm_kernels!(@export_one concat!($name, "_", $dn, "_vxc"), $params, $body, $t, true, 0, $norm, $res, true);
+        };
+    };
+    (@export_single all, $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $norm:ident,
+        $res:literal, [$($vpt:literal $sfx:literal),*]) => {
+        $( norm_kernels!(@export_one concat!($name, "_", $dn, "_s", $sfx), $params, $body, $t, false, $vpt, $norm, $res, false); )*
+        norm_kernels!(@export_one concat!($name, "_", $dn, "_sx"), $params, $body, $t, false, 0, $norm, $res, false);
+    };
+    (@export_single stream, $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $norm:ident,
+        $res:literal, $tiles:tt) => {
+        norm_kernels!(@export_one concat!($name, "_", $dn, "_sx"), $params, $body, $t, false, 0, $norm, $res, false);
+    };
+    (@export_one $entry:expr, $params:ty, $body:ident, $t:ident, $vec:literal, $vpt:literal, $norm:ident,
+        $res:literal, $cluster:literal) => {
+        $crate::kernel::kernel!(export $entry, $params,
+            $body::<$crate::element::$t, $vec, $vpt, $norm, $res, $cluster>);
+    };
+
+    // The table entries of one line, one group per (dtype, access).
+    (@group $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $shared:ident, $large:ident,
+        $norm:ident, $res:literal, packed, [$($vpt:literal $sfx:literal),*]) => {
+        &[
+            $( norm_kernels!(@entry concat!($name, "_", $dn, "_v", $sfx), $t, $params, $body, $shared, $large, $norm, $res, true, $vpt, false, 80), )*
+            norm_kernels!(@entry concat!($name, "_", $dn, "_vx"), $t, $params, $body, $shared, $large, $norm, $res, true, 0, false, 80),
+        ]
+    };
+    (@group $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $shared:ident, $large:ident,
+        $norm:ident, $res:literal, all, [$($vpt:literal $sfx:literal),*]) => {
+        &[
+            $( norm_kernels!(@entry concat!($name, "_", $dn, "_s", $sfx), $t, $params, $body, $shared, $large, $norm, $res, false, $vpt, false, 80), )*
+            norm_kernels!(@entry concat!($name, "_", $dn, "_sx"), $t, $params, $body, $shared, $large, $norm, $res, false, 0, false, 80),
+        ]
+    };
+    (@group $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $shared:ident, $large:ident,
+        $norm:ident, $res:literal, stream, $tiles:tt) => {
+        &[
+            norm_kernels!(@entry concat!($name, "_", $dn, "_sx"), $t, $params, $body, $shared, $large, $norm, $res, false, 0, false, 80),
+        ]
+    };
+    (@group $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $shared:ident, $large:ident,
+        $norm:ident, $res:literal, cluster, [$($vpt:literal $sfx:literal),*]) => {
+        &[
+            $( norm_kernels!(@entry concat!($name, "_", $dn, "_v", $sfx, "c"), $t, $params, $body, $shared, $large, $norm, $res, true, $vpt, true, 90), )*
+            norm_kernels!(@entry concat!($name, "_", $dn, "_vxc"), $t, $params, $body, $shared, $large, $norm, $res, true, 0, true, 90),
+        ]
+    };
+    (@entry $entry:expr, $t:ident, $params:ty, $body:ident, $shared:ident, $large:ident, $norm:ident,
+        $res:literal, $vec:literal, $vpt:literal, $cluster:literal, $arch:literal) => {
+        $crate::kernel::kernel!(table $entry,
+            NormKey {
+                norm: <$norm as Normalization>::NORM,
+                residual: $res,
+                dtype: Dtype::$t,
+                vec: $vec,
+                vpt: $vpt,
+                cluster: $cluster,
+            },
+            $arch,
+            $shared::<$norm, $vpt, $res, $cluster>,
+            $large($cluster, $res, $vpt),
+            $body::<$crate::element::$t, $vec, $vpt, $norm, $res, $cluster>)
+    };
+}
+
+norm_kernels! {
+    // Accesses per thread held in registers, and their entry-name suffix. Every kernel also has
+    // the streaming tile ([`STREAM`], suffix `x`).
+    register_tiles: [1 "1", 2 "2", 4 "4"];
+
+    FORWARD: ForwardParams = forward, shared forward_shared_bytes, large forward_large_shared {
+        "rms_norm_fwd" => RmsNorm, residual false, single all;
+        "layer_norm_fwd" => LayerNorm, residual false, single all;
+        // Single-element access serves only views that are not 16-byte aligned: register tiles for
+        // it would add a third to the residual kernels' PTX for a path that is slow anyway.
+        "rms_norm_fwd_res" => RmsNorm, residual true, single stream;
+        "layer_norm_fwd_res" => LayerNorm, residual true, single stream;
+    }
+
+    BACKWARD: BackwardParams = backward, shared backward_shared_bytes, large backward_large_shared {
+        "rms_norm_bwd" => RmsNorm, residual false, single all;
+        "layer_norm_bwd" => LayerNorm, residual false, single all;
+        "rms_norm_bwd_res" => RmsNorm, residual true, single stream;
+        "layer_norm_bwd_res" => LayerNorm, residual true, single stream;
+    }
+}

@@ -1,0 +1,91 @@
+//! What a norm kernel instance does beyond its math, decided once from its key: whether it keeps
+//! the next row in flight, where γ lives, whether rows arrive through shared memory, and so how
+//! much shared memory a block needs. The kernels use these as constants; the tables hand the
+//! shared-memory sizes to the host, whose launch plan reads them from there. The measurements
+//! behind each choice are in `bench-results/h200.md`.
+
+use super::Normalization;
+use super::staged::staged_words_end;
+use super::tile::SharedGamma;
+use crate::reduce::ROW_REDUCER_SHARED_WORDS;
+
+/// Accesses per thread of the streaming instances: the row is re-read from memory (mostly L2)
+/// instead of held in registers.
+pub const STREAM: usize = 0;
+
+/// Whether a forward register tile (`vpt` ≥ 1) loads the next row before reducing this one.
+/// RMSNorm does in the widest tile only: for narrower ones the extra registers cost a resident
+/// block per SM, which hid more latency than the prefetch. LayerNorm waits for two reductions per
+/// row, so it prefetches from 2 packs on. The residual families hold f32 rows: no room.
+pub const fn forward_prefetches(centered: bool, residual: bool, vpt: usize) -> bool {
+    !residual && (vpt >= 4 || (centered && vpt >= 2))
+}
+
+/// Whether a backward register tile holds γ in shared memory rather than in registers:
+/// LayerNorm's tiles of two or more accesses per thread. Their rows, dγ and dβ fill the
+/// registers: the widest plain tile needs the room for the next row (it waits on two reductions per
+/// row, so it needs one in flight), the two-access tile to keep two blocks per SM (128 registers)
+/// without spilling, the widest residual tile to stay within 255.
+pub const fn gamma_in_shared(centered: bool, vpt: usize) -> bool {
+    centered && vpt >= 2
+}
+
+/// Whether a backward instance stages its rows through shared memory
+/// ([`super::staged::StagedRows`]): the plain register tiles of a cluster. Their blocks wait on
+/// each other every row, so each row waits for the slowest block's loads; the copy engine keeps
+/// three rows in flight where registers held one.
+pub const fn staged(cluster: bool, residual: bool, vpt: usize) -> bool {
+    cluster && !residual && vpt != STREAM
+}
+
+/// The first word past the reducer's and γ's ([`gamma_in_shared`]) of a backward block of
+/// `threads` threads with `vpt` accesses each.
+pub(super) const fn gamma_end(centered: bool, vpt: usize, threads: usize) -> usize {
+    if gamma_in_shared(centered, vpt) {
+        SharedGamma::BASE + vpt * threads * 8
+    } else {
+        ROW_REDUCER_SHARED_WORDS
+    }
+}
+
+/// Dynamic shared memory of a forward block: the reducer's words.
+pub fn forward_shared_bytes<
+    N: Normalization,
+    const VPT: usize,
+    const RESIDUAL: bool,
+    const CLUSTER: bool,
+>(
+    _threads: usize,
+) -> usize {
+    ROW_REDUCER_SHARED_WORDS * 4
+}
+
+/// Dynamic shared memory of a backward block of `threads` threads: the reducer's words, γ where
+/// [`gamma_in_shared`], and the rows in flight where [`staged`].
+pub fn backward_shared_bytes<
+    N: Normalization,
+    const VPT: usize,
+    const RESIDUAL: bool,
+    const CLUSTER: bool,
+>(
+    threads: usize,
+) -> usize {
+    let end = gamma_end(N::CENTERED, VPT, threads);
+    let words = if staged(CLUSTER, RESIDUAL, VPT) {
+        staged_words_end(end, VPT, threads)
+    } else {
+        end
+    };
+    words * 4
+}
+
+/// Whether a forward block may need more than the default 48 KiB of shared memory: never.
+pub const fn forward_large_shared(_cluster: bool, _residual: bool, _vpt: usize) -> bool {
+    false
+}
+
+/// Whether a backward block may need more than the default 48 KiB of shared memory: the
+/// [`staged`] ones, whose ring grows with the block.
+pub const fn backward_large_shared(cluster: bool, residual: bool, vpt: usize) -> bool {
+    staged(cluster, residual, vpt)
+}

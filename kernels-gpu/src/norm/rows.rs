@@ -1,0 +1,366 @@
+//! The row a kernel works on: where it comes from ([`RowSource`]: x itself, x + residual, or a
+//! residual backward's x and dresidual), the per-feature parameters γ and β, and the row
+//! statistics (μ, rstd) from registers or streamed from memory.
+
+use super::Normalization;
+use crate::arch;
+use crate::element::{Access, Element, MixedRows, Pack, Wide, load_f32s, row_addr};
+use crate::reduce::{RowReducer, Team};
+
+use super::params::{BackwardParams, ForwardParams};
+
+/// The row a body normalizes (forward) or differentiates through (backward), one access
+/// (`Access::<T, VEC>::LEN` elements) at a time. `load` only issues loads; `hold` does the
+/// arithmetic on them, so a prefetched row costs registers but no wait until it is used.
+pub(super) trait RowSource<T: Element, const VEC: bool>: Copy {
+    /// Row addresses, computed once per row.
+    type Row: Copy;
+    /// One access as loaded.
+    type Raw: Copy + Default;
+    /// One access ready for use.
+    type Held: Copy + Default;
+    /// Backward: one access of what is added into dx (dresidual), as loaded.
+    type Extra: Copy + Default;
+    /// Raw accesses hold more than one pack of `T`: too many registers to prefetch the widest tile.
+    const WIDE: bool;
+    fn row(&self, row: usize) -> Self::Row;
+    /// # Safety
+    /// The access lies inside the rows, aligned as `VEC` requires.
+    unsafe fn load(&self, row: &Self::Row, elem: usize) -> Self::Raw;
+    fn hold(&self, raw: &Self::Raw) -> Self::Held;
+    /// Element `i` of the row, in f32.
+    fn get(held: &Self::Held, i: usize) -> f32;
+    /// Forward: writes what is kept besides y (the residual sum).
+    ///
+    /// # Safety
+    /// As for [`Self::load`], writable.
+    #[inline(always)]
+    unsafe fn emit(&self, _row: &Self::Row, _elem: usize, _held: &Self::Held) {}
+    /// Backward: loads one access of what is added into dx.
+    ///
+    /// # Safety
+    /// As for [`Self::load`].
+    #[inline(always)]
+    unsafe fn load_extra(&self, _row: &Self::Row, _elem: usize) -> Self::Extra {
+        Self::Extra::default()
+    }
+    /// Backward: element `i` of dx with the gradient arriving from elsewhere (dresidual) added.
+    #[inline(always)]
+    fn dx(&self, _extra: &Self::Extra, _i: usize, dx: f32) -> f32 {
+        dx
+    }
+}
+
+/// x itself, in the activations' dtype: the plain families. Held as loaded (packed `T`), which is
+/// what lets a bf16 row fit in half the registers of its f32 image.
+#[derive(Clone, Copy)]
+pub(super) struct Plain {
+    pub(super) x: u64,
+    pub(super) stride: u64,
+}
+
+impl<T: Element, const VEC: bool> RowSource<T, VEC> for Plain {
+    type Row = u64;
+    type Raw = Pack;
+    type Held = Pack;
+    type Extra = ();
+    const WIDE: bool = false;
+    #[inline(always)]
+    fn row(&self, row: usize) -> u64 {
+        row_addr::<T>(self.x, row, self.stride)
+    }
+    #[inline(always)]
+    unsafe fn load(&self, row: &u64, elem: usize) -> Pack {
+        unsafe { Access::<T, VEC>::load(*row, elem) }
+    }
+    #[inline(always)]
+    fn hold(&self, raw: &Pack) -> Pack {
+        *raw
+    }
+    #[inline(always)]
+    fn get(held: &Pack, i: usize) -> f32 {
+        T::get(held, i)
+    }
+}
+
+/// The forward of the residual families: `h = x + residual`, rounded as `residual_out` stores it
+/// and written there.
+#[derive(Clone, Copy)]
+pub(super) struct AddResidual {
+    x: Plain,
+    residual: MixedRows,
+    out: MixedRows,
+}
+
+impl AddResidual {
+    pub(super) fn new(p: &ForwardParams) -> Self {
+        AddResidual {
+            x: Plain {
+                x: p.x,
+                stride: p.x_stride,
+            },
+            residual: MixedRows {
+                base: p.residual,
+                stride: p.residual_stride,
+                is_f32: p.residual_f32 != 0,
+            },
+            out: MixedRows {
+                base: p.residual_out,
+                stride: p.residual_out_stride,
+                is_f32: p.residual_out_f32 != 0,
+            },
+        }
+    }
+}
+
+impl<T: Element, const VEC: bool> RowSource<T, VEC> for AddResidual {
+    /// x, residual, residual_out.
+    type Row = (u64, u64, u64);
+    type Raw = (Pack, Wide);
+    type Held = [f32; 8];
+    type Extra = ();
+    const WIDE: bool = true;
+    #[inline(always)]
+    fn row(&self, row: usize) -> (u64, u64, u64) {
+        (
+            RowSource::<T, VEC>::row(&self.x, row),
+            self.residual.row::<T>(row),
+            self.out.row::<T>(row),
+        )
+    }
+    #[inline(always)]
+    unsafe fn load(&self, row: &(u64, u64, u64), elem: usize) -> (Pack, Wide) {
+        unsafe {
+            (
+                Access::<T, VEC>::load(row.0, elem),
+                self.residual.load::<T, VEC>(row.1, elem),
+            )
+        }
+    }
+    #[inline(always)]
+    fn hold(&self, (x, r): &(Pack, Wide)) -> [f32; 8] {
+        let mut h = [0.0f32; 8];
+        for i in 0..Access::<T, VEC>::LEN {
+            h[i] = self
+                .out
+                .round::<T>(T::get(x, i) + self.residual.get::<T>(r, i));
+        }
+        h
+    }
+    #[inline(always)]
+    fn get(held: &[f32; 8], i: usize) -> f32 {
+        held[i]
+    }
+    #[inline(always)]
+    unsafe fn emit(&self, row: &(u64, u64, u64), elem: usize, h: &[f32; 8]) {
+        unsafe { self.out.store::<T, VEC>(row.2, elem, h) }
+    }
+}
+
+/// The backward of the residual families: x (the forward's `residual_out`) in the activations'
+/// dtype or f32, and the gradient arriving on it (`dresidual`, same dtype, optional).
+#[derive(Clone, Copy)]
+pub(super) struct ResidualBackward {
+    x: MixedRows,
+    dresidual: MixedRows,
+}
+
+impl ResidualBackward {
+    pub(super) fn new(p: &BackwardParams) -> Self {
+        let is_f32 = p.x_f32 != 0;
+        ResidualBackward {
+            x: MixedRows {
+                base: p.x,
+                stride: p.x_stride,
+                is_f32,
+            },
+            dresidual: MixedRows {
+                base: p.dresidual,
+                stride: p.dresidual_stride,
+                is_f32,
+            },
+        }
+    }
+}
+
+impl<T: Element, const VEC: bool> RowSource<T, VEC> for ResidualBackward {
+    /// x, dresidual.
+    type Row = (u64, u64);
+    type Raw = Wide;
+    type Held = [f32; 8];
+    type Extra = Wide;
+    const WIDE: bool = true;
+    #[inline(always)]
+    fn row(&self, row: usize) -> (u64, u64) {
+        (self.x.row::<T>(row), self.dresidual.row::<T>(row))
+    }
+    #[inline(always)]
+    unsafe fn load(&self, row: &(u64, u64), elem: usize) -> Wide {
+        unsafe { self.x.load::<T, VEC>(row.0, elem) }
+    }
+    #[inline(always)]
+    fn hold(&self, x: &Wide) -> [f32; 8] {
+        let mut held = [0.0f32; 8];
+        for i in 0..Access::<T, VEC>::LEN {
+            held[i] = self.x.get::<T>(x, i);
+        }
+        held
+    }
+    #[inline(always)]
+    fn get(held: &[f32; 8], i: usize) -> f32 {
+        held[i]
+    }
+    #[inline(always)]
+    unsafe fn load_extra(&self, row: &(u64, u64), elem: usize) -> Wide {
+        if self.dresidual.base != 0 {
+            unsafe { self.dresidual.load::<T, VEC>(row.1, elem) }
+        } else {
+            Wide::default()
+        }
+    }
+    #[inline(always)]
+    fn dx(&self, dresidual: &Wide, i: usize, dx: f32) -> f32 {
+        dx + self.dresidual.get::<T>(dresidual, i)
+    }
+}
+
+/// `(μ, rstd)` of a row held in registers (μ = 0 for RMSNorm): exact two-pass variance, since the
+/// row is on chip. Accesses past `d` hold zeros and are kept out of the sums.
+///
+/// # Safety
+/// Every thread of the block calls it (block reductions).
+#[inline(always)]
+pub(super) unsafe fn row_stats_regs<
+    T: Element,
+    const VEC: bool,
+    const VPT: usize,
+    N: Normalization,
+    S: RowSource<T, VEC>,
+>(
+    reducer: &mut RowReducer,
+    team: Team,
+    x: &[S::Held; VPT],
+    d: usize,
+    inv_d: f32,
+    eps: f32,
+) -> (f32, f32) {
+    let len = Access::<T, VEC>::LEN;
+    let Team { tid, threads, .. } = team;
+    let mean = if N::CENTERED {
+        let mut sum = 0.0f32;
+        for xk in x {
+            for i in 0..len {
+                sum += S::get(xk, i);
+            }
+        }
+        let total = unsafe { reducer.sum(sum) };
+        total * inv_d
+    } else {
+        0.0
+    };
+    let mut sum_sq = 0.0f32;
+    for k in 0..VPT {
+        if (tid + k * threads) * len < d {
+            for i in 0..len {
+                let c = S::get(&x[k], i) - mean;
+                sum_sq = arch::fma(c, c, sum_sq);
+            }
+        }
+    }
+    (
+        mean,
+        arch::rsqrt(unsafe { reducer.sum(sum_sq) } * inv_d + eps),
+    )
+}
+
+/// `(μ, rstd)` of a row streamed from memory (μ = 0 for RMSNorm), one pass per statistic.
+///
+/// # Safety
+/// As for [`stream_sum`].
+#[inline(always)]
+pub(super) unsafe fn row_stats_stream<
+    T: Element,
+    const VEC: bool,
+    N: Normalization,
+    S: RowSource<T, VEC>,
+>(
+    reducer: &mut RowReducer,
+    team: Team,
+    src: &S,
+    row: usize,
+    d: usize,
+    inv_d: f32,
+    eps: f32,
+) -> (f32, f32) {
+    let mean = if N::CENTERED {
+        let sum = unsafe { stream_sum::<T, VEC, S>(reducer, team, src, row, d, |v| v) };
+        sum * inv_d
+    } else {
+        0.0
+    };
+    let sum_sq =
+        unsafe { stream_sum::<T, VEC, S>(reducer, team, src, row, d, |v| (v - mean) * (v - mean)) };
+    (mean, arch::rsqrt(sum_sq * inv_d + eps))
+}
+
+/// One access worth of a per-feature parameter (γ or β) starting at element `elem`, in f32:
+/// stored as f32 (`params_f32 != 0`, mixed precision) or in the activations' dtype `T`; `offset`
+/// is added in f32 (γ's offset; 0 for β). Elements past the access's length are 0.
+///
+/// # Safety
+/// The access lies inside the parameter vector, aligned as `VEC` requires for its storage.
+#[inline(always)]
+pub(super) unsafe fn param<T: Element, const VEC: bool>(
+    base: u64,
+    elem: usize,
+    params_f32: u32,
+    offset: f32,
+) -> [f32; 8] {
+    let len = Access::<T, VEC>::LEN;
+    let mut v = if params_f32 != 0 {
+        unsafe { load_f32s::<VEC>(base, elem, len) }
+    } else {
+        let pack = unsafe { Access::<T, VEC>::load(base, elem) };
+        let mut v = [0.0f32; 8];
+        for i in 0..len {
+            v[i] = T::get(&pack, i);
+        }
+        v
+    };
+    // No `+ 0.0` for β: it is not an identity (−0 + 0 = +0), so every element would issue it.
+    // (γ's offset is a runtime value: its adds are predicated, issued whether 0 or not.)
+    if offset != 0.0 {
+        for x in v.iter_mut().take(len) {
+            *x += offset;
+        }
+    }
+    v
+}
+
+/// `Σ f(x)` over one row of `d` elements, read from memory (L2, after the first pass) by the
+/// whole block; every thread gets the sum.
+///
+/// # Safety
+/// The row is readable as the access requires; every thread of the block calls it.
+#[inline(always)]
+pub(super) unsafe fn stream_sum<T: Element, const VEC: bool, S: RowSource<T, VEC>>(
+    reducer: &mut RowReducer,
+    team: Team,
+    src: &S,
+    row: usize,
+    d: usize,
+    f: impl Fn(f32) -> f32,
+) -> f32 {
+    let len = Access::<T, VEC>::LEN;
+    let mut sum = 0.0f32;
+    let row = src.row(row);
+    let mut a = team.tid;
+    while a < d.div_ceil(len) {
+        let x = src.hold(&unsafe { src.load(&row, a * len) });
+        for i in 0..len {
+            sum += f(S::get(&x, i));
+        }
+        a += team.threads;
+    }
+    unsafe { reducer.sum(sum) }
+}

@@ -1,0 +1,215 @@
+//! The staged backward of the cluster register tiles: rows copied into a ring in shared memory by
+//! the copy engine, several rows ahead, instead of one prefetched row in registers.
+
+use super::Normalization;
+use super::backward::load_stats;
+use super::params::BackwardParams;
+use super::policy::gamma_end;
+use super::rows::Plain;
+use super::tile::BackwardTile;
+use crate::arch;
+use crate::element::{Access, Element, Pack, row_addr};
+use crate::reduce::{RowReducer, Team};
+
+/// The team's row `n` places after `row` of its group ending at `end`: within the group, or
+/// (for `n` at most a group's rows) within the team's next group, `next_first..next_end`.
+#[inline(always)]
+pub(super) fn row_ahead(
+    row: usize,
+    n: usize,
+    end: usize,
+    (next_first, next_end): (usize, usize),
+) -> Option<usize> {
+    if row + n < end {
+        Some(row + n)
+    } else {
+        let next = next_first + (row + n - end);
+        (next < next_end).then_some(next)
+    }
+}
+
+/// Rows in flight per block of a [`staged`] backward. Each holds the block's share of x and dy
+/// (at 4 packs × 256 threads, 32 KiB); four keep three rows loading while one is worked on. Groups
+/// of dγ rows must have at least this many rows (but the last of all), as the ring looks this far
+/// ahead into a team's next group only.
+pub const STAGES: usize = 4;
+
+/// The end of a [`StagedRows`] ring that follows `start` words: the stages, 128-byte aligned
+/// (x and dy, `vpt` accesses of 16 bytes per thread each), then one mbarrier per stage.
+pub(super) const fn staged_words_end(start: usize, vpt: usize, threads: usize) -> usize {
+    start.next_multiple_of(32) + STAGES * 2 * vpt * threads * 4 + 2 * STAGES
+}
+
+/// A ring of [`STAGES`] rows in shared memory, filled by the copy engine
+/// ([`arch::SharedF32::bulk_copy_from`]) and drained into registers by every thread. One thread
+/// fills; each stage's mbarrier counts the bytes of its row, and its phase says which row.
+///
+/// A block's accesses `k` cover `block · LEN` consecutive elements of the row (the team's threads
+/// are the blocks' in rank order), so each is one bulk copy per operand, and thread t's pack sits
+/// at 16·t bytes into it: a warp's shared loads take consecutive 16 bytes, no bank conflicts.
+pub(super) struct StagedRows<T: Element, const VPT: usize> {
+    /// Word of stage 0, x's first access.
+    base: usize,
+    /// Word of stage 0's mbarrier.
+    barriers: usize,
+    /// Words of one access of one operand: `block · 4`.
+    access_words: usize,
+    /// This block's first element of access 0, and the team's elements per access.
+    first: usize,
+    team_elems: usize,
+    d: usize,
+    element: core::marker::PhantomData<T>,
+}
+
+impl<T: Element, const VPT: usize> StagedRows<T, VPT> {
+    /// A ring after the block's first `start` words; thread 0 makes its mbarriers.
+    ///
+    /// # Safety
+    /// Every thread of the block calls it, before [`RowReducer::new`] (whose cluster barrier
+    /// publishes the mbarriers); the launch provides [`staged_words_end`] words.
+    #[inline(always)]
+    pub(super) unsafe fn new(start: usize, team: Team, d: usize) -> Self {
+        let block = arch::block_dim();
+        let len = Access::<T, true>::LEN;
+        let base = start.next_multiple_of(32);
+        let ring = StagedRows {
+            base,
+            barriers: base + STAGES * 2 * VPT * block * 4,
+            access_words: block * 4,
+            first: (team.tid - arch::thread_idx()) * len,
+            team_elems: team.threads * len,
+            d,
+            element: core::marker::PhantomData,
+        };
+        if arch::thread_idx() == 0 {
+            for stage in 0..STAGES {
+                unsafe { arch::shared_f32().mbarrier_init(ring.barriers + 2 * stage, 1) };
+            }
+        }
+        ring
+    }
+
+    /// The first word of access `k` of `operand` (0: x, 1: dy) in `stage`.
+    #[inline(always)]
+    pub(super) fn word(&self, stage: usize, operand: usize, k: usize) -> usize {
+        self.base + ((stage * 2 + operand) * VPT + k) * self.access_words
+    }
+
+    /// Starts copying the team's `i`-th row, `row`, into its stage. Called by thread 0 only,
+    /// once every thread has read the stage's previous row.
+    ///
+    /// # Safety
+    /// `row` is below `rows`; the rows are 16-byte aligned with `d` a multiple of the pack.
+    #[inline(always)]
+    pub(super) unsafe fn fill(&self, p: &BackwardParams, i: usize, row: usize) {
+        let shared = arch::shared_f32();
+        let stage = i % STAGES;
+        let barrier = self.barriers + 2 * stage;
+        let x_row = row_addr::<T>(p.x, row, p.x_stride);
+        let dy_row = row_addr::<T>(p.dy, row, p.dy_stride);
+        // Each access's span, cut at d (a multiple of the pack, so of 16 bytes).
+        let span = |k: usize| {
+            let elem = self.first + k * self.team_elems;
+            let elems = (self.d.saturating_sub(elem)).min(self.access_words * 4 / T::BYTES);
+            (elem, (elems * T::BYTES) as u32)
+        };
+        let mut bytes = 0;
+        for k in 0..VPT {
+            bytes += span(k).1;
+        }
+        unsafe { shared.mbarrier_arrive_expect_tx(barrier, 2 * bytes) };
+        for k in 0..VPT {
+            let (elem, n) = span(k);
+            if n > 0 {
+                let offset = (elem * T::BYTES) as u64;
+                unsafe {
+                    shared.bulk_copy_from(self.word(stage, 0, k), x_row + offset, n, barrier);
+                    shared.bulk_copy_from(self.word(stage, 1, k), dy_row + offset, n, barrier);
+                }
+            }
+        }
+    }
+
+    /// Waits for the team's `i`-th row and reads this thread's accesses of it into registers.
+    ///
+    /// # Safety
+    /// [`Self::fill`] started row `i`; rows before it were taken in order.
+    #[inline(always)]
+    pub(super) unsafe fn take(&self, i: usize, elem: impl Fn(usize) -> usize) -> ([Pack; VPT], [Pack; VPT]) {
+        let shared = arch::shared_f32();
+        let stage = i % STAGES;
+        unsafe { shared.mbarrier_wait(self.barriers + 2 * stage, (i / STAGES % 2) as u32) };
+        let own = arch::thread_idx() * 4;
+        let mut x: [Pack; VPT] = [[0; 4]; VPT];
+        let mut dy: [Pack; VPT] = [[0; 4]; VPT];
+        for k in 0..VPT {
+            if elem(k) < self.d {
+                x[k] = unsafe { shared.load4(self.word(stage, 0, k) + own) }.map(f32::to_bits);
+                dy[k] = unsafe { shared.load4(self.word(stage, 1, k) + own) }.map(f32::to_bits);
+            }
+        }
+        (x, dy)
+    }
+}
+
+/// The [`staged`] backward: as [`backward_regs`], with the rows arriving through [`StagedRows`]
+/// instead of one prefetched row in registers.
+#[inline(always)]
+pub(super) unsafe fn backward_staged<T: Element, const VEC: bool, const VPT: usize, N: Normalization>(
+    p: &BackwardParams,
+    src: Plain,
+    team: Team,
+) {
+    let d = p.d as usize;
+    let ring =
+        unsafe { StagedRows::<T, VPT>::new(gamma_end(N::CENTERED, VPT, arch::block_dim()), team, d) };
+    let mut reducer = unsafe { RowReducer::new(team.cluster) };
+    let tile = unsafe { BackwardTile::<T, VEC, VPT, N, Plain>::new(p, src, team) };
+    let (per_group, rows) = (p.rows_per_group as usize, p.rows as usize);
+    let group_rows = |group: usize| {
+        let first = group * per_group;
+        (first, (first + per_group).min(rows))
+    };
+    let filler = arch::thread_idx() == 0;
+    let mut group = team.first;
+    let (first, end) = group_rows(group);
+    // A group has at least `STAGES` rows unless it is the last of all (the host's group layout),
+    // so the first `STAGES` rows of a team lie in its first group.
+    if filler {
+        for (i, row) in (first..end.max(first)).take(STAGES).enumerate() {
+            unsafe { ring.fill(p, i, row) };
+        }
+    }
+    let mut next_stats = (0.0, 0.0);
+    if first < end {
+        next_stats = load_stats::<N>(p, first);
+    }
+    let mut i = 0;
+    while group < p.groups as usize {
+        let (first, end) = group_rows(group);
+        let next_group = group_rows(group + team.stride);
+        let mut dgamma = [[0.0f32; 8]; VPT];
+        let mut dbeta = [[0.0f32; 8]; VPT];
+        for row in first..end {
+            // The statistics are a row ahead in registers, as the rows are in the ring.
+            let stats = next_stats;
+            if let Some(next) = row_ahead(row, 1, end, next_group) {
+                next_stats = load_stats::<N>(p, next);
+            }
+            let (x, dy) = unsafe { ring.take(i, |k| tile.elem(k)) };
+            let this = (x, dy, [(); VPT], stats);
+            unsafe {
+                let pass1 = tile.pass1(&mut reducer, &this);
+                // Pass 1 ended in a block barrier (its reduction), after every thread had read
+                // this row's stage: the stage can take the row `STAGES` ahead.
+                if filler && let Some(next) = row_ahead(row, STAGES, end, next_group) {
+                    ring.fill(p, i + STAGES, next);
+                }
+                tile.pass2(&mut reducer, row, &this, pass1, &mut dgamma, &mut dbeta);
+            }
+            i += 1;
+        }
+        unsafe { tile.store_partials(group, &dgamma, &dbeta) };
+        group += team.stride;
+    }
+}

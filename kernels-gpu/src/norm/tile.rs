@@ -1,0 +1,299 @@
+//! The backward's register tile: a thread's accesses of a row held in registers, its γ (in
+//! registers or shared memory), and the two passes over a row.
+
+use super::Normalization;
+use super::backward::{DxRow, RowSums, load_stats};
+use super::params::BackwardParams;
+use super::policy::gamma_in_shared;
+use super::rows::{RowSource, param, row_stats_regs};
+use crate::arch;
+use crate::element::{Access, Element, Pack, row_addr, store_f32s};
+use crate::reduce::{PendingSums, ROW_REDUCER_SHARED_WORDS, RowReducer, Team};
+
+/// This thread's γ in shared memory ([`gamma_in_shared`]): 8 words per access, as two 16-byte
+/// words, each half laid out thread by thread so a warp's loads touch consecutive 16 bytes (no bank
+/// conflicts). Only the thread that stored its words reads them back, so they need no barrier.
+#[derive(Clone, Copy)]
+pub(super) struct SharedGamma {
+    first: usize,
+    block: usize,
+}
+
+impl SharedGamma {
+    /// After the reducer's words, 16-byte aligned.
+    pub(super) const BASE: usize = ROW_REDUCER_SHARED_WORDS.next_multiple_of(4);
+
+    #[inline(always)]
+    pub(super) fn new() -> Self {
+        SharedGamma {
+            first: Self::BASE + arch::thread_idx() * 4,
+            block: arch::block_dim(),
+        }
+    }
+
+    #[inline(always)]
+    pub(super) fn word(&self, k: usize, half: usize) -> usize {
+        self.first + (2 * k + half) * self.block * 4
+    }
+
+    /// # Safety
+    /// The launch provides [`backward_shared_bytes`].
+    #[inline(always)]
+    pub(super) unsafe fn store(&self, k: usize, g: &[f32; 8], len: usize) {
+        let shared = arch::shared_f32();
+        unsafe { shared.store4(self.word(k, 0), [g[0], g[1], g[2], g[3]]) };
+        if len > 4 {
+            unsafe { shared.store4(self.word(k, 1), [g[4], g[5], g[6], g[7]]) };
+        }
+    }
+
+    /// # Safety
+    /// As for [`Self::store`], which stored access `k` before.
+    #[inline(always)]
+    pub(super) unsafe fn load(&self, k: usize, len: usize) -> [f32; 8] {
+        let shared = arch::shared_f32();
+        let [a, b, c, d] = unsafe { shared.load4(self.word(k, 0)) };
+        let [e, f, g, h] = if len > 4 {
+            unsafe { shared.load4(self.word(k, 1)) }
+        } else {
+            [0.0; 4]
+        };
+        [a, b, c, d, e, f, g, h]
+    }
+}
+
+/// One row of a backward register tile as loaded: x, dy, what is added into dx (dresidual, when
+/// prefetched) and the saved statistics.
+pub(super) type LoadedRow<R, E, const VPT: usize> = ([R; VPT], [Pack; VPT], [E; VPT], (f32, f32));
+
+/// A row after pass 1: x as used, its statistics `(μ, rstd)`, and its sums on their way.
+pub(super) type Pass1<H, const VPT: usize> = ([H; VPT], (f32, f32), PendingSums);
+
+/// What the rows of a backward register tile share: this thread's accesses and its γ.
+pub(super) struct BackwardTile<'a, T: Element, const VEC: bool, const VPT: usize, N: Normalization, S> {
+    p: &'a BackwardParams,
+    src: S,
+    team: Team,
+    d: usize,
+    /// γ in registers, unless [`gamma_in_shared`].
+    gamma: [[f32; 8]; VPT],
+    shared_gamma: SharedGamma,
+    /// Loads of row r+1 are issued before row r's reduction and stores, so a block always has a
+    /// row in flight: with only a couple of blocks per SM that is what hides memory latency.
+    /// Without that, what only the stores need (dresidual) is loaded one access at a time next to
+    /// its store, to keep it out of the registers of the reductions.
+    pub(super) prefetch: bool,
+    element: core::marker::PhantomData<(T, N)>,
+}
+
+impl<T: Element, const VEC: bool, const VPT: usize, N: Normalization, S: RowSource<T, VEC>>
+    BackwardTile<'_, T, VEC, VPT, N, S>
+{
+    pub(super) const LEN: usize = Access::<T, VEC>::LEN;
+    pub(super) const GAMMA_IN_SHARED: bool = gamma_in_shared(N::CENTERED, VPT);
+
+    /// # Safety
+    /// As for [`backward`]; every thread of the block calls it.
+    #[inline(always)]
+    pub(super) unsafe fn new(
+        p: &BackwardParams,
+        src: S,
+        team: Team,
+    ) -> BackwardTile<'_, T, VEC, VPT, N, S> {
+        let mut tile = BackwardTile {
+            p,
+            src,
+            team,
+            d: p.d as usize,
+            gamma: [[0.0f32; 8]; VPT],
+            shared_gamma: SharedGamma::new(),
+            // The widest tile of a wide source has no registers left for a second row (it would
+            // spill); LayerNorm's widest plain tile makes room by holding γ in shared memory.
+            prefetch: !(S::WIDE && VPT >= 4),
+            element: core::marker::PhantomData,
+        };
+        for k in 0..VPT {
+            // Past d: γ = 0 (and dy = 0), so those accesses add nothing to the row sums.
+            let mut g = [0.0f32; 8];
+            if tile.elem(k) < tile.d {
+                g = unsafe { param::<T, VEC>(p.gamma, tile.elem(k), p.params_f32, p.gamma_offset) };
+            }
+            if Self::GAMMA_IN_SHARED {
+                unsafe { tile.shared_gamma.store(k, &g, Self::LEN) };
+            } else {
+                tile.gamma[k] = g;
+            }
+        }
+        tile
+    }
+
+    /// LayerNorm with a dβ to compute.
+    #[inline(always)]
+    pub(super) fn with_dbeta(&self) -> bool {
+        N::CENTERED && self.p.dbeta_partials != 0
+    }
+
+    /// The first element of this thread's access `k`.
+    #[inline(always)]
+    pub(super) fn elem(&self, k: usize) -> usize {
+        (self.team.tid + k * self.team.threads) * Self::LEN
+    }
+
+    #[inline(always)]
+    pub(super) fn gamma(&self, k: usize) -> [f32; 8] {
+        if Self::GAMMA_IN_SHARED {
+            unsafe { self.shared_gamma.load(k, Self::LEN) }
+        } else {
+            self.gamma[k]
+        }
+    }
+
+    /// Issues the loads of a row.
+    ///
+    /// # Safety
+    /// `row` is below `rows`.
+    #[inline(always)]
+    pub(super) unsafe fn load(&self, row: usize) -> LoadedRow<S::Raw, S::Extra, VPT> {
+        let p = self.p;
+        let src_row = self.src.row(row);
+        let dy_row = row_addr::<T>(p.dy, row, p.dy_stride);
+        let mut x = [S::Raw::default(); VPT];
+        let mut dy: [Pack; VPT] = [[0; 4]; VPT];
+        for k in 0..VPT {
+            if self.elem(k) < self.d {
+                x[k] = unsafe { self.src.load(&src_row, self.elem(k)) };
+                dy[k] = unsafe { Access::<T, VEC>::load(dy_row, self.elem(k)) };
+            }
+        }
+        let mut extra = [S::Extra::default(); VPT];
+        for k in 0..VPT {
+            if self.prefetch && self.elem(k) < self.d {
+                extra[k] = unsafe { self.src.load_extra(&src_row, self.elem(k)) };
+            }
+        }
+        (x, dy, extra, load_stats::<N>(p, row))
+    }
+
+    /// A row with nothing loaded (past the last).
+    #[inline(always)]
+    pub(super) fn empty() -> LoadedRow<S::Raw, S::Extra, VPT> {
+        (
+            [S::Raw::default(); VPT],
+            [[0; 4]; VPT],
+            [S::Extra::default(); VPT],
+            (0.0, 0.0),
+        )
+    }
+
+    /// Pass 1 of a row: x as used, its statistics, and the sums of `dŷ` and `dŷ·x̂` started.
+    ///
+    /// # Safety
+    /// Every thread of the team calls it (it reduces).
+    #[inline(always)]
+    pub(super) unsafe fn pass1(
+        &self,
+        reducer: &mut RowReducer,
+        row: &LoadedRow<S::Raw, S::Extra, VPT>,
+    ) -> Pass1<S::Held, VPT> {
+        let p = self.p;
+        let (raw, dy, _, saved) = row;
+        let mut x = [S::Held::default(); VPT];
+        for k in 0..VPT {
+            x[k] = self.src.hold(&raw[k]);
+        }
+        // Nothing saved: recompute the statistics from the row already in registers.
+        let (mean, rstd) = if p.rstd == 0 {
+            unsafe {
+                row_stats_regs::<T, VEC, VPT, N, S>(
+                    reducer, self.team, &x, self.d, p.inv_d, p.eps,
+                )
+            }
+        } else {
+            *saved
+        };
+        let mut sums = RowSums::default();
+        for k in 0..VPT {
+            let gamma = self.gamma(k);
+            for i in 0..Self::LEN {
+                // Accesses past d hold dy = 0, so they add nothing to either sum.
+                sums.add(T::get(&dy[k], i) * gamma[i], S::get(&x[k], i) - mean);
+            }
+        }
+        let sums = unsafe { sums.start::<N>(reducer, rstd) };
+        (x, (mean, rstd), sums)
+    }
+
+    /// Pass 2 of a row: finishes its sums, writes dx and adds the row into `dgamma` and `dbeta`.
+    ///
+    /// # Safety
+    /// Every thread of the team calls it (it reduces); `pass1` is this row's, and its sums are
+    /// the oldest unfinished.
+    #[inline(always)]
+    pub(super) unsafe fn pass2(
+        &self,
+        reducer: &mut RowReducer,
+        row: usize,
+        loaded: &LoadedRow<S::Raw, S::Extra, VPT>,
+        pass1: Pass1<S::Held, VPT>,
+        dgamma: &mut [[f32; 8]; VPT],
+        dbeta: &mut [[f32; 8]; VPT],
+    ) {
+        let p = self.p;
+        let (x, stats, sums) = pass1;
+        let (_, dy, extra, _) = loaded;
+        let dx_of = DxRow::new(stats, unsafe {
+            RowSums::means::<N>(reducer, sums, p.inv_d)
+        });
+        let with_dbeta = self.with_dbeta();
+        let dx_row = row_addr::<T>(p.dx, row, p.dx_stride);
+        let src_row = self.src.row(row);
+        for k in 0..VPT {
+            if self.elem(k) < self.d {
+                let extra = if self.prefetch {
+                    extra[k]
+                } else {
+                    unsafe { self.src.load_extra(&src_row, self.elem(k)) }
+                };
+                let gamma = self.gamma(k);
+                let mut dx = [0.0f32; 8];
+                for i in 0..Self::LEN {
+                    let dy_i = T::get(&dy[k], i);
+                    let (v, x_hat) = dx_of.dx(S::get(&x[k], i), dy_i * gamma[i]);
+                    dx[i] = self.src.dx(&extra, i, v);
+                    dgamma[k][i] = arch::fma(dy_i, x_hat, dgamma[k][i]);
+                    if with_dbeta {
+                        dbeta[k][i] += dy_i;
+                    }
+                }
+                let dx = T::pack(&dx, Self::LEN);
+                unsafe { Access::<T, VEC>::store(dx_row, self.elem(k), &dx) };
+            }
+        }
+    }
+
+    /// Writes a group's dγ (and dβ) partials: row `group` of each workspace.
+    ///
+    /// # Safety
+    /// `group` is below the launch's `groups`.
+    #[inline(always)]
+    pub(super) unsafe fn store_partials(
+        &self,
+        group: usize,
+        dgamma: &[[f32; 8]; VPT],
+        dbeta: &[[f32; 8]; VPT],
+    ) {
+        let p = self.p;
+        let offset = (group * self.d * 4) as u64;
+        for k in 0..VPT {
+            if self.elem(k) < self.d {
+                let elem = self.elem(k);
+                unsafe { store_f32s::<VEC>(p.partials + offset, elem, &dgamma[k], Self::LEN) };
+                if self.with_dbeta() {
+                    unsafe {
+                        store_f32s::<VEC>(p.dbeta_partials + offset, elem, &dbeta[k], Self::LEN)
+                    };
+                }
+            }
+        }
+    }
+}
