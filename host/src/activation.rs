@@ -3,640 +3,445 @@
 //! and `db` in one pass; and a backward that also returns `dbias = Σ_rows dx` through the same
 //! deterministic group partials and fixed-order column sum as the norms' dγ.
 //!
-//! `a` and `b` are two row views: separate tensors, or the two halves of one `[rows, 2·d]` tensor
-//! (the `_packed` functions). Every operand has its own row stride. The derivative is recomputed
+//! `a` and `b` are two row views, or the two halves of each row of one `[rows, 2·d]` tensor
+//! ([`GatedInput::Packed`]). Every operand has its own row stride. The derivative is recomputed
 //! from the saved pre-activation; it never round-trips through memory.
+//!
+//! ```
+//! use normkern::activation::{self, Activation};
+//! use normkern::{Emulator, Rows};
+//!
+//! let (rows, d) = (2, 8);
+//! let x = vec![1.0f32; rows * d];
+//! let mut y = vec![0.0f32; rows * d];
+//! let x_rows = Rows::new(&x[..], rows, d)?;
+//! let forward = activation::Forward::new(Activation::Silu, x_rows, Rows::new(&mut y[..], rows, d)?);
+//! activation::forward(&Emulator::new(), forward)?;
+//! assert!((y[0] - 0.7310586).abs() < 1e-5);
+//! # Ok::<(), normkern::Error>(())
+//! ```
 
-use cudarc::driver::{
-    CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
-};
-use normkern_gpu::activation::{Family, Params};
-use normkern_gpu::variant::{ActVariant, Dtype as KernelDtype, act};
+use normkern_gpu::activation::{ActivationKey, Family, KERNELS, Params};
+use normkern_gpu::column_sum::{ColumnSumParams, group_layout};
+use normkern_gpu::kernel::Dtype as KernelDtype;
 
-use crate::context::{Context, Gpu};
-use crate::emulator::Emulator;
 use crate::error::{Error, Result};
-use crate::launch::{Executor, Kernel, Shape, group_layout, launch_column_sum, packs_fit};
-use crate::tensor::{Buffer, Dtype, Rows, RowsMut, RowsRef, expect_len};
+use crate::executor::{Device, Executor, Launch};
+use crate::plan::{column_sum, full_grid, packs_fit};
+use crate::tensor::{Buffer, Dtype, Rows, expect_len};
 
-/// The activation function. For the gated functions: `Silu` is SwiGLU, `GeluErf`/`GeluTanh` GeGLU.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Activation {
-    Relu,
-    Silu,
-    /// GELU with the exact erf.
-    GeluErf,
-    /// GELU with the tanh approximation.
-    GeluTanh,
+pub use normkern_gpu::activation::Activation;
+
+/// The arguments of [`forward`]: `y = f(x)`.
+#[must_use = "the arguments do nothing until passed to activation::forward"]
+pub struct Forward<'a, E: Executor, T: Dtype> {
+    pub activation: Activation,
+    pub x: Rows<E::In<'a, T>>,
+    /// x's shape, its own stride.
+    pub y: Rows<E::Out<'a, T>>,
 }
 
-impl Activation {
-    fn kernel_id(self) -> u32 {
-        match self {
-            Activation::Relu => act::RELU,
-            Activation::Silu => act::SILU,
-            Activation::GeluErf => act::GELU_ERF,
-            Activation::GeluTanh => act::GELU_TANH,
-        }
+impl<'a, E: Executor, T: Dtype> Forward<'a, E, T> {
+    pub fn new(activation: Activation, x: Rows<E::In<'a, T>>, y: Rows<E::Out<'a, T>>) -> Self {
+        Forward { activation, x, y }
     }
 }
 
-/// f32 elements of workspace [`backward_dbias`] needs for `rows × d`.
-pub fn workspace_len(rows: usize, d: usize) -> usize {
-    group_layout(rows, d).1 * d
+/// The arguments of [`backward`]: `dx = dy · f'(preact)`, and optionally `dbias = Σ_rows dx`.
+#[must_use = "the arguments do nothing until passed to activation::backward"]
+pub struct Backward<'a, E: Executor, T: Dtype> {
+    pub activation: Activation,
+    /// The forward's input.
+    pub preact: Rows<E::In<'a, T>>,
+    /// dy in, dx out: separate buffers or one.
+    pub grad: Gradient<'a, E, T>,
+    /// Also writes dbias, bitwise reproducible on any grid and GPU.
+    pub dbias: Option<Dbias<'a, E, T>>,
 }
 
-/// Threads per block of the elementwise kernels.
-const THREADS: usize = 256;
-
-/// A validated call: addresses and strides of up to three row inputs and two row outputs.
-struct Call {
-    family: Family,
-    act: Activation,
-    dtype: KernelDtype,
-    rows: usize,
-    d: usize,
-    inputs: Vec<(u64, usize)>,
-    outputs: Vec<(u64, usize)>,
-    /// `(dbias, workspace)` for [`Family::BackwardDbias`].
-    dbias: Option<(u64, u64)>,
+/// The gradient of an activation backward: read from `dy`, written to `dx`, or written over dy.
+pub enum Gradient<'a, E: Executor, T: Dtype> {
+    Separate {
+        dy: Rows<E::In<'a, T>>,
+        dx: Rows<E::Out<'a, T>>,
+    },
+    /// dx is written over dy (every element is read before it is written, by the same thread).
+    InPlace(Rows<E::Out<'a, T>>),
 }
 
-impl Call {
-    fn new<T: Dtype>(
-        family: Family,
-        act: Activation,
-        (rows, d): (usize, usize),
-        inputs: Vec<(u64, usize)>,
-        outputs: Vec<(u64, usize)>,
+/// dbias (`d` elements) and the workspace of its group partials (at least [`workspace_len`] f32).
+pub struct Dbias<'a, E: Executor, T: Dtype> {
+    pub dbias: E::Out<'a, T>,
+    pub workspace: E::Out<'a, f32>,
+}
+
+impl<'a, E: Executor, T: Dtype> Backward<'a, E, T> {
+    /// dx into its own buffer.
+    pub fn new(
+        activation: Activation,
+        dy: Rows<E::In<'a, T>>,
+        preact: Rows<E::In<'a, T>>,
+        dx: Rows<E::Out<'a, T>>,
     ) -> Self {
-        Call {
-            family,
-            act,
-            dtype: T::KERNEL,
-            rows,
-            d,
-            inputs,
-            outputs,
+        Backward {
+            activation,
+            preact,
+            grad: Gradient::Separate { dy, dx },
             dbias: None,
         }
     }
 
-    /// Also writes dbias at `dbias.0`, through the workspace at `dbias.1`.
-    fn with_dbias(self, dbias: Option<(u64, u64)>) -> Self {
-        Call { dbias, ..self }
-    }
-
-    /// Contiguous operands of an elementwise op are one long row to the kernel: plain indices
-    /// instead of row arithmetic, and 16-byte packs whenever the whole buffer allows them.
-    fn flattened(mut self) -> Self {
-        let len = self.rows * self.d;
-        let contiguous = self.dbias.is_none()
-            && self.rows > 0
-            && self
-                .inputs
-                .iter()
-                .chain(&self.outputs)
-                .all(|o| o.1 == self.d)
-            && len <= u32::MAX as usize;
-        if contiguous {
-            (self.rows, self.d) = (1, len);
-            for operand in self.inputs.iter_mut().chain(self.outputs.iter_mut()) {
-                operand.1 = len;
-            }
+    /// dx written over dy.
+    pub fn in_place(
+        activation: Activation,
+        dy: Rows<E::Out<'a, T>>,
+        preact: Rows<E::In<'a, T>>,
+    ) -> Self {
+        Backward {
+            activation,
+            preact,
+            grad: Gradient::InPlace(dy),
+            dbias: None,
         }
-        self
     }
 
-    fn run(self, exec: &dyn Executor) -> Result<()> {
-        self.flattened().launch(exec)
-    }
-
-    fn launch(self, exec: &dyn Executor) -> Result<()> {
-        let (rows, d) = (self.rows, self.d);
-        let (rows_per_group, groups) = group_layout(rows, d);
-        if rows > 0 {
-            let mut addrs: Vec<u64> = self
-                .inputs
-                .iter()
-                .chain(&self.outputs)
-                .map(|o| o.0)
-                .collect();
-            addrs.extend(self.dbias.map(|(_, ws)| ws));
-            let strides: Vec<usize> = self
-                .inputs
-                .iter()
-                .chain(&self.outputs)
-                .map(|o| o.1)
-                .collect();
-            let vec = packs_fit(self.dtype.bytes(), d, &addrs, &strides);
-            let len = if vec { 16 / self.dtype.bytes() } else { 1 };
-            let accesses = rows * (d / len);
-            if accesses > u32::MAX as usize {
-                return Err(Error::TooLarge {
-                    what: "rows × d",
-                    value: rows * d,
-                });
-            }
-            let mut p = Params {
-                rows: rows as u32,
-                d: d as u32,
-                rows_per_group: rows_per_group as u32,
-                groups: groups as u32,
-                partials: self.dbias.map_or(0, |(_, ws)| ws),
-                ..Params::default()
-            };
-            for (i, (addr, stride)) in self.inputs.iter().enumerate() {
-                p.inputs[i] = *addr;
-                p.input_strides[i] = *stride as u64;
-            }
-            for (i, (addr, stride)) in self.outputs.iter().enumerate() {
-                p.outputs[i] = *addr;
-                p.output_strides[i] = *stride as u64;
-            }
-            let variant = ActVariant {
-                dtype: self.dtype,
-                vec,
-                act: self.act.kernel_id(),
-            };
-            let kernel = Kernel::Activation(self.family, variant, p);
-            let grid = if self.dbias.is_some() {
-                exec.full_grid(groups * (d / len).div_ceil(THREADS))
-            } else {
-                exec.full_grid(accesses.div_ceil(THREADS * self.family.unroll()))
-            };
-            exec.launch(
-                &kernel,
-                Shape {
-                    grid,
-                    block: THREADS,
-                    cluster: 1,
-                    shared_bytes: 0,
-                },
-            )?;
+    /// Also writes `dbias = Σ_rows dx` through `workspace` (at least [`workspace_len`] f32).
+    pub fn dbias(self, dbias: E::Out<'a, T>, workspace: E::Out<'a, f32>) -> Self {
+        Backward {
+            dbias: Some(Dbias { dbias, workspace }),
+            ..self
         }
-        if let Some((dbias, workspace)) = self.dbias {
-            launch_column_sum(exec, self.dtype, (workspace, dbias), None, groups, d)?;
+    }
+}
+
+/// The gated inputs `a` and `b`: two row views, or the halves of each row of one.
+pub enum GatedInput<'a, E: Executor, T: Dtype> {
+    Separate {
+        a: Rows<E::In<'a, T>>,
+        b: Rows<E::In<'a, T>>,
+    },
+    /// `[rows, 2·d]`: a is each row's first half, b its second.
+    Packed(Rows<E::In<'a, T>>),
+}
+
+/// The gradients of the gated inputs: two row views, or the halves of each row of one.
+pub enum GatedGrad<'a, E: Executor, T: Dtype> {
+    Separate {
+        da: Rows<E::Out<'a, T>>,
+        db: Rows<E::Out<'a, T>>,
+    },
+    /// `[rows, 2·d]`: da is each row's first half, db its second.
+    Packed(Rows<E::Out<'a, T>>),
+}
+
+/// The arguments of [`gated_forward`]: `h = f(a) · b`.
+#[must_use = "the arguments do nothing until passed to activation::gated_forward"]
+pub struct GatedForward<'a, E: Executor, T: Dtype> {
+    pub activation: Activation,
+    pub input: GatedInput<'a, E, T>,
+    /// `rows × d`.
+    pub h: Rows<E::Out<'a, T>>,
+}
+
+/// The arguments of [`gated_backward`]: `da = dh · b · f'(a)`, `db = dh · f(a)` in one pass.
+#[must_use = "the arguments do nothing until passed to activation::gated_backward"]
+pub struct GatedBackward<'a, E: Executor, T: Dtype> {
+    pub activation: Activation,
+    /// `rows × d`: the gradient arriving on h.
+    pub dh: Rows<E::In<'a, T>>,
+    pub input: GatedInput<'a, E, T>,
+    pub grad: GatedGrad<'a, E, T>,
+}
+
+/// f32 elements of workspace a backward with dbias needs for `rows × d`.
+pub fn workspace_len(rows: usize, d: usize) -> Result<usize> {
+    group_layout(rows, d)
+        .1
+        .checked_mul(d)
+        .ok_or(Error::TooLarge {
+            what: "workspace (groups × d)",
+            value: d,
+        })
+}
+
+/// `y = f(x)`.
+pub fn forward<E: Executor, T: Dtype>(exec: &E, mut args: Forward<'_, E, T>) -> Result<()> {
+    args.y.expect_shape("y", args.x.rows, args.x.d)?;
+    let (x, _x) = exec.input("x", &args.x.data)?;
+    let (y, _y) = exec.output("y", &mut args.y.data)?;
+    let mut call = Call::new::<T>(Family::Forward, args.activation, (args.x.rows, args.x.d));
+    call.inputs = [(x, args.x.stride), (0, 0), (0, 0)];
+    call.outputs = [(y, args.y.stride), (0, 0)];
+    call.run(exec)
+}
+
+/// `dx = dy · f'(preact)`, and with [`Backward::dbias`] `dbias = Σ_rows dx`. With no rows, dbias
+/// is zero.
+pub fn backward<E: Executor, T: Dtype>(exec: &E, mut args: Backward<'_, E, T>) -> Result<()> {
+    let (rows, d) = (args.preact.rows, args.preact.d);
+    match &args.grad {
+        Gradient::Separate { dy, dx } => {
+            dy.expect_shape("dy", rows, d)?;
+            dx.expect_shape("dx", rows, d)?;
+        }
+        Gradient::InPlace(dy) => dy.expect_shape("dy", rows, d)?,
+    }
+    if let Some(db) = &args.dbias {
+        expect_len("dbias", db.dbias.elements(), d)?;
+        let needed = workspace_len(rows, d)?;
+        if db.workspace.elements() < needed {
+            return Err(Error::WorkspaceTooSmall {
+                needed,
+                actual: db.workspace.elements(),
+            });
+        }
+    }
+    let (preact, _preact) = exec.input("preact", &args.preact.data)?;
+    let (dy, dx, _grad) = match &mut args.grad {
+        Gradient::Separate { dy, dx } => {
+            let (dy_address, dy_guard) = exec.input("dy", &dy.data)?;
+            let (dx_address, dx_guard) = exec.output("dx", &mut dx.data)?;
+            let guards = (Some(dy_guard), dx_guard);
+            ((dy_address, dy.stride), (dx_address, dx.stride), guards)
+        }
+        Gradient::InPlace(dy) => {
+            let (address, guard) = exec.output("dy", &mut dy.data)?;
+            ((address, dy.stride), (address, dy.stride), (None, guard))
+        }
+    };
+    let (dbias, _dbias) = match &mut args.dbias {
+        Some(db) => {
+            let (dbias, dbias_guard) = exec.output("dbias", &mut db.dbias)?;
+            let (workspace, ws_guard) = exec.output("workspace", &mut db.workspace)?;
+            (Some((dbias, workspace)), Some((dbias_guard, ws_guard)))
+        }
+        None => (None, None),
+    };
+    let family = if dbias.is_some() {
+        Family::BackwardDbias
+    } else {
+        Family::Backward
+    };
+    let mut call = Call::new::<T>(family, args.activation, (rows, d));
+    call.inputs = [dy, (preact, args.preact.stride), (0, 0)];
+    call.outputs = [dx, (0, 0)];
+    call.dbias = dbias;
+    call.run(exec)
+}
+
+/// `(a, b)` of the gated inputs: their addresses and strides, after checking their shapes
+/// against `rows × d`.
+fn gated_input<'g, E: Executor, T: Dtype>(
+    exec: &'g E,
+    input: &'g GatedInput<'_, E, T>,
+    (rows, d): (usize, usize),
+) -> Result<([(u64, usize); 2], [Option<E::Guard<'g>>; 2])> {
+    match input {
+        GatedInput::Separate { a, b } => {
+            a.expect_shape("a", rows, d)?;
+            b.expect_shape("b", rows, d)?;
+            let (a_address, a_guard) = exec.input("a", &a.data)?;
+            let (b_address, b_guard) = exec.input("b", &b.data)?;
+            Ok((
+                [(a_address, a.stride), (b_address, b.stride)],
+                [Some(a_guard), Some(b_guard)],
+            ))
+        }
+        GatedInput::Packed(ab) => {
+            ab.expect_shape("ab", rows, 2 * d)?;
+            let (address, guard) = exec.input("ab", &ab.data)?;
+            Ok((
+                halves((address, ab.stride), d, T::KERNEL),
+                [Some(guard), None],
+            ))
+        }
+    }
+}
+
+/// `h = f(a) · b`.
+pub fn gated_forward<E: Executor, T: Dtype>(
+    exec: &E,
+    mut args: GatedForward<'_, E, T>,
+) -> Result<()> {
+    let shape = (args.h.rows, args.h.d);
+    let ([a, b], _inputs) = gated_input(exec, &args.input, shape)?;
+    let (h, _h) = exec.output("h", &mut args.h.data)?;
+    let mut call = Call::new::<T>(Family::GatedForward, args.activation, shape);
+    call.inputs = [a, b, (0, 0)];
+    call.outputs = [(h, args.h.stride), (0, 0)];
+    call.run(exec)
+}
+
+/// `da = dh · b · f'(a)`, `db = dh · f(a)` in one pass.
+pub fn gated_backward<E: Executor, T: Dtype>(
+    exec: &E,
+    mut args: GatedBackward<'_, E, T>,
+) -> Result<()> {
+    let shape = (args.dh.rows, args.dh.d);
+    let ([a, b], _inputs) = gated_input(exec, &args.input, shape)?;
+    let (dh, _dh) = exec.input("dh", &args.dh.data)?;
+    let (outputs, _outputs) = match &mut args.grad {
+        GatedGrad::Separate { da, db } => {
+            da.expect_shape("da", shape.0, shape.1)?;
+            db.expect_shape("db", shape.0, shape.1)?;
+            let (da_stride, db_stride) = (da.stride, db.stride);
+            let (da_address, da_guard) = exec.output("da", &mut da.data)?;
+            let (db_address, db_guard) = exec.output("db", &mut db.data)?;
+            let outputs = [(da_address, da_stride), (db_address, db_stride)];
+            (outputs, (da_guard, Some(db_guard)))
+        }
+        GatedGrad::Packed(dab) => {
+            dab.expect_shape("dab", shape.0, 2 * shape.1)?;
+            let stride = dab.stride;
+            let (address, guard) = exec.output("dab", &mut dab.data)?;
+            (halves((address, stride), shape.1, T::KERNEL), (guard, None))
+        }
+    };
+    let mut call = Call::new::<T>(Family::GatedBackward, args.activation, shape);
+    call.inputs = [(dh, args.dh.stride), a, b];
+    call.outputs = outputs;
+    call.run(exec)
+}
+
+/// `(a, b)` addresses of the two halves of packed `[rows, 2·d]` rows.
+fn halves(base: (u64, usize), d: usize, dtype: KernelDtype) -> [(u64, usize); 2] {
+    [base, (base.0 + (d * dtype.bytes()) as u64, base.1)]
+}
+
+/// A validated call: addresses and strides of up to three row inputs and two row outputs, in the
+/// order the family's kernels read them ([`Params`]); `(0, 0)` past the last.
+pub(crate) struct Call {
+    pub key: ActivationKey,
+    pub rows: usize,
+    pub d: usize,
+    pub inputs: [(u64, usize); 3],
+    pub outputs: [(u64, usize); 2],
+    /// `(dbias, workspace)` for [`Family::BackwardDbias`].
+    pub dbias: Option<(u64, u64)>,
+}
+
+impl Call {
+    fn new<T: Dtype>(family: Family, activation: Activation, (rows, d): (usize, usize)) -> Self {
+        Call {
+            key: ActivationKey {
+                family,
+                activation,
+                dtype: T::KERNEL,
+                vec: false,
+            },
+            rows,
+            d,
+            inputs: [(0, 0); 3],
+            outputs: [(0, 0); 2],
+            dbias: None,
+        }
+    }
+
+    fn run<E: Executor>(&self, exec: &E) -> Result<()> {
+        let Plan { elementwise, sums } = plan(self, exec.device())?;
+        if let Some(launch) = elementwise {
+            exec.launch(&launch)?;
+        }
+        if let Some(launch) = sums {
+            exec.launch(&launch)?;
         }
         Ok(())
     }
 }
 
-fn same_shape<A: Buffer, B: Buffer>(
-    what: &'static str,
-    reference: &Rows<A>,
-    other: &Rows<B>,
-) -> Result<()> {
-    other.expect_shape(what, reference.rows, reference.d)
+/// Threads per block of the elementwise kernels.
+const THREADS: usize = 256;
+
+/// The launches of an activation call: the elementwise kernel (none for no rows), then for dbias
+/// the column sum of its partials.
+pub(crate) struct Plan {
+    pub elementwise: Option<Launch<ActivationKey, Params>>,
+    pub sums: Option<Launch<KernelDtype, ColumnSumParams>>,
 }
 
-/// `(address, stride)` of a device row view, and the guard that orders it on `stream`.
-fn dev<'a, T>(
-    v: &'a Rows<CudaView<'_, T>>,
-    stream: &'a CudaStream,
-) -> ((u64, usize), SyncOnDrop<'a>) {
-    let (p, g) = v.data.device_ptr(stream);
-    ((p, v.stride), g)
-}
-
-fn dev_mut<'a, T>(
-    v: &'a mut Rows<CudaViewMut<'_, T>>,
-    stream: &'a CudaStream,
-) -> ((u64, usize), SyncOnDrop<'a>) {
-    let stride = v.stride;
-    let (p, g) = v.data.device_ptr_mut(stream);
-    ((p, stride), g)
-}
-
-fn check_streams(
-    ctx: &Context,
-    stream: &CudaStream,
-    operands: &[(&'static str, &CudaStream)],
-) -> Result<()> {
-    ctx.check_context("stream", stream)?;
-    operands
-        .iter()
-        .try_for_each(|(what, s)| ctx.check_context(what, s))
-}
-
-/// Host `(address, stride)` of a row view over a slice.
-fn host<T>(v: &Rows<&[T]>) -> (u64, usize) {
-    (v.data.as_ptr() as u64, v.stride)
-}
-fn host_mut<T>(v: &mut Rows<&mut [T]>) -> (u64, usize) {
-    (v.data.as_mut_ptr() as u64, v.stride)
-}
-
-/// `y = f(x)` on `stream`.
-pub fn forward<T: Dtype>(
-    ctx: &Context,
-    stream: &CudaStream,
-    act: Activation,
-    x: &RowsRef<'_, T>,
-    y: &mut RowsMut<'_, T>,
-) -> Result<()> {
-    same_shape("y", x, y)?;
-    check_streams(
-        ctx,
-        stream,
-        &[("x", x.data.stream()), ("y", y.data.stream())],
-    )?;
-    let (xa, _x) = dev(x, stream);
-    let (ya, _y) = dev_mut(y, stream);
-    let call = Call::new::<T>(Family::Forward, act, (x.rows, x.d), vec![xa], vec![ya]);
-    call.run(&Gpu { ctx, stream })
-}
-
-/// `dx = dy · f'(preact)` on `stream`.
-pub fn backward<T: Dtype>(
-    ctx: &Context,
-    stream: &CudaStream,
-    act: Activation,
-    dy: &RowsRef<'_, T>,
-    preact: &RowsRef<'_, T>,
-    dx: &mut RowsMut<'_, T>,
-) -> Result<()> {
-    same_shape("preact", dy, preact)?;
-    same_shape("dx", dy, dx)?;
-    check_streams(
-        ctx,
-        stream,
-        &[
-            ("dy", dy.data.stream()),
-            ("preact", preact.data.stream()),
-            ("dx", dx.data.stream()),
-        ],
-    )?;
-    let (dya, _dy) = dev(dy, stream);
-    let (pa, _p) = dev(preact, stream);
-    let (dxa, _dx) = dev_mut(dx, stream);
-    let call = Call::new::<T>(
-        Family::Backward,
-        act,
-        (dy.rows, dy.d),
-        vec![dya, pa],
-        vec![dxa],
-    );
-    call.run(&Gpu { ctx, stream })
-}
-
-/// [`backward`] writing `dx` over `dy`.
-pub fn backward_in_place<T: Dtype>(
-    ctx: &Context,
-    stream: &CudaStream,
-    act: Activation,
-    dy: &mut RowsMut<'_, T>,
-    preact: &RowsRef<'_, T>,
-) -> Result<()> {
-    same_shape("preact", dy, preact)?;
-    check_streams(
-        ctx,
-        stream,
-        &[("dy", dy.data.stream()), ("preact", preact.data.stream())],
-    )?;
-    let (pa, _p) = dev(preact, stream);
-    let (dya, _dy) = dev_mut(dy, stream);
-    let call = Call::new::<T>(
-        Family::Backward,
-        act,
-        (preact.rows, preact.d),
-        vec![dya, pa],
-        vec![dya],
-    );
-    call.run(&Gpu { ctx, stream })
-}
-
-/// [`backward`] that also writes `dbias = Σ_rows dx` (`d` elements), bitwise reproducible on any
-/// grid and GPU; `workspace` holds at least [`workspace_len`] f32. With no rows dbias is zero.
-#[allow(clippy::too_many_arguments)]
-pub fn backward_dbias<T: Dtype>(
-    ctx: &Context,
-    stream: &CudaStream,
-    act: Activation,
-    dy: &RowsRef<'_, T>,
-    preact: &RowsRef<'_, T>,
-    dx: &mut RowsMut<'_, T>,
-    dbias: &mut CudaViewMut<'_, T>,
-    workspace: &mut CudaViewMut<'_, f32>,
-) -> Result<()> {
-    validate_dbias(dy, preact, dx, dbias.len(), workspace.len())?;
-    check_streams(
-        ctx,
-        stream,
-        &[
-            ("dy", dy.data.stream()),
-            ("preact", preact.data.stream()),
-            ("dx", dx.data.stream()),
-            ("dbias", dbias.stream()),
-            ("workspace", workspace.stream()),
-        ],
-    )?;
-    let (dya, _dy) = dev(dy, stream);
-    let (pa, _p) = dev(preact, stream);
-    let (dxa, _dx) = dev_mut(dx, stream);
-    let (dba, _db) = dbias.device_ptr_mut(stream);
-    let (wsa, _ws) = workspace.device_ptr_mut(stream);
-    let call = Call::new::<T>(
-        Family::BackwardDbias,
-        act,
-        (dy.rows, dy.d),
-        vec![dya, pa],
-        vec![dxa],
-    )
-    .with_dbias(Some((dba, wsa)));
-    call.run(&Gpu { ctx, stream })
-}
-
-fn validate_dbias<A: Buffer, B: Buffer, C: Buffer>(
-    dy: &Rows<A>,
-    preact: &Rows<B>,
-    dx: &Rows<C>,
-    dbias_len: usize,
-    ws_len: usize,
-) -> Result<()> {
-    same_shape("preact", dy, preact)?;
-    same_shape("dx", dy, dx)?;
-    expect_len("dbias", dbias_len, dy.d)?;
-    let needed = workspace_len(dy.rows, dy.d);
-    if ws_len < needed {
-        return Err(Error::WorkspaceTooSmall {
-            needed,
-            actual: ws_len,
-        });
-    }
-    Ok(())
-}
-
-/// Gated forward `h = f(a) · b` on `stream` (`a`, `b`, `h` all `rows × d`).
-pub fn gated_forward<T: Dtype>(
-    ctx: &Context,
-    stream: &CudaStream,
-    act: Activation,
-    a: &RowsRef<'_, T>,
-    b: &RowsRef<'_, T>,
-    h: &mut RowsMut<'_, T>,
-) -> Result<()> {
-    same_shape("b", a, b)?;
-    same_shape("h", a, h)?;
-    check_streams(
-        ctx,
-        stream,
-        &[
-            ("a", a.data.stream()),
-            ("b", b.data.stream()),
-            ("h", h.data.stream()),
-        ],
-    )?;
-    let (aa, _a) = dev(a, stream);
-    let (ba, _b) = dev(b, stream);
-    let (ha, _h) = dev_mut(h, stream);
-    let call = Call::new::<T>(
-        Family::GatedForward,
-        act,
-        (a.rows, a.d),
-        vec![aa, ba],
-        vec![ha],
-    );
-    call.run(&Gpu { ctx, stream })
-}
-
-/// Gated backward on `stream`: `da = dh · b · f'(a)`, `db = dh · f(a)` in one pass.
-#[allow(clippy::too_many_arguments)]
-pub fn gated_backward<T: Dtype>(
-    ctx: &Context,
-    stream: &CudaStream,
-    act: Activation,
-    dh: &RowsRef<'_, T>,
-    a: &RowsRef<'_, T>,
-    b: &RowsRef<'_, T>,
-    da: &mut RowsMut<'_, T>,
-    db: &mut RowsMut<'_, T>,
-) -> Result<()> {
-    for (what, shape) in [
-        ("a", (a.rows, a.d)),
-        ("b", (b.rows, b.d)),
-        ("da", (da.rows, da.d)),
-        ("db", (db.rows, db.d)),
-    ] {
-        if shape != (dh.rows, dh.d) {
-            return Err(Error::Shape {
-                what,
-                rows: dh.rows,
-                d: dh.d,
-                actual_rows: shape.0,
-                actual_d: shape.1,
-            });
+pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
+    let (mut rows, mut d) = (call.rows, call.d);
+    let (mut inputs, mut outputs) = (call.inputs, call.outputs);
+    let used = |o: &&(u64, usize)| o.0 != 0;
+    // Contiguous operands of an elementwise op are one long row to the kernel: plain indices
+    // instead of row arithmetic, and 16-byte packs whenever the whole buffer allows them.
+    let elements = rows.checked_mul(d).ok_or(Error::TooLarge {
+        what: "rows × d",
+        value: rows,
+    })?;
+    let contiguous = call.dbias.is_none()
+        && rows > 0
+        && (inputs.iter().chain(&outputs).filter(used)).all(|o| o.1 == d)
+        && elements <= u32::MAX as usize;
+    if contiguous {
+        (rows, d) = (1, elements);
+        for operand in inputs.iter_mut().chain(outputs.iter_mut()) {
+            operand.1 = elements;
         }
     }
-    check_streams(
-        ctx,
-        stream,
-        &[
-            ("dh", dh.data.stream()),
-            ("a", a.data.stream()),
-            ("b", b.data.stream()),
-            ("da", da.data.stream()),
-            ("db", db.data.stream()),
-        ],
-    )?;
-    let (dha, _dh) = dev(dh, stream);
-    let (aa, _a) = dev(a, stream);
-    let (ba, _b) = dev(b, stream);
-    let (daa, _da) = dev_mut(da, stream);
-    let (dba, _db) = dev_mut(db, stream);
-    let call = Call::new::<T>(
-        Family::GatedBackward,
-        act,
-        (dh.rows, dh.d),
-        vec![dha, aa, ba],
-        vec![daa, dba],
-    );
-    call.run(&Gpu { ctx, stream })
-}
-
-/// `(a, b)` addresses of the two halves of packed `[rows, 2·d]` rows.
-fn halves(base: (u64, usize), d: usize, bytes: usize) -> [(u64, usize); 2] {
-    [base, (base.0 + (d * bytes) as u64, base.1)]
-}
-
-fn packed_width<A: Buffer>(
-    what: &'static str,
-    packed: &Rows<A>,
-    rows: usize,
-    d: usize,
-) -> Result<()> {
-    packed.expect_shape(what, rows, 2 * d)
-}
-
-/// [`gated_forward`] with `a` and `b` the two halves of each row of `ab` (`rows × 2d`).
-pub fn gated_forward_packed<T: Dtype>(
-    ctx: &Context,
-    stream: &CudaStream,
-    act: Activation,
-    ab: &RowsRef<'_, T>,
-    h: &mut RowsMut<'_, T>,
-) -> Result<()> {
-    packed_width("ab", ab, h.rows, h.d)?;
-    check_streams(
-        ctx,
-        stream,
-        &[("ab", ab.data.stream()), ("h", h.data.stream())],
-    )?;
-    let (aba, _ab) = dev(ab, stream);
-    let (rows, d) = (h.rows, h.d);
-    let (ha, _h) = dev_mut(h, stream);
-    let call = Call::new::<T>(
-        Family::GatedForward,
-        act,
-        (rows, d),
-        halves(aba, d, T::KERNEL.bytes()).to_vec(),
-        vec![ha],
-    );
-    call.run(&Gpu { ctx, stream })
-}
-
-/// [`gated_backward`] with `a`, `b` the halves of `ab` and `da`, `db` the halves of `dab`
-/// (both `rows × 2d`).
-pub fn gated_backward_packed<T: Dtype>(
-    ctx: &Context,
-    stream: &CudaStream,
-    act: Activation,
-    dh: &RowsRef<'_, T>,
-    ab: &RowsRef<'_, T>,
-    dab: &mut RowsMut<'_, T>,
-) -> Result<()> {
-    packed_width("ab", ab, dh.rows, dh.d)?;
-    packed_width("dab", dab, dh.rows, dh.d)?;
-    check_streams(
-        ctx,
-        stream,
-        &[
-            ("dh", dh.data.stream()),
-            ("ab", ab.data.stream()),
-            ("dab", dab.data.stream()),
-        ],
-    )?;
-    let (dha, _dh) = dev(dh, stream);
-    let (aba, _ab) = dev(ab, stream);
-    let (daba, _dab) = dev_mut(dab, stream);
-    let (rows, d, bytes) = (dh.rows, dh.d, T::KERNEL.bytes());
-    let [a, b] = halves(aba, d, bytes);
-    let call = Call::new::<T>(
-        Family::GatedBackward,
-        act,
-        (rows, d),
-        vec![dha, a, b],
-        halves(daba, d, bytes).to_vec(),
-    );
-    call.run(&Gpu { ctx, stream })
-}
-
-impl Emulator {
-    /// [`forward`] on host memory, run by the CPU emulator.
-    pub fn activation_forward<T: Dtype>(
-        &self,
-        act: Activation,
-        x: &Rows<&[T]>,
-        y: &mut Rows<&mut [T]>,
-    ) -> Result<()> {
-        same_shape("y", x, y)?;
-        Call::new::<T>(
-            Family::Forward,
-            act,
-            (x.rows, x.d),
-            vec![host(x)],
-            vec![host_mut(y)],
-        )
-        .run(self)
+    let (rows_per_group, groups) = group_layout(rows, d);
+    let mut elementwise = None;
+    if rows > 0 {
+        let mut addresses = [0u64; 6];
+        let mut strides = [0usize; 5];
+        for (i, o) in inputs.iter().chain(&outputs).enumerate() {
+            (addresses[i], strides[i]) = *o;
+        }
+        addresses[5] = call.dbias.map_or(0, |(_, workspace)| workspace);
+        let vec = packs_fit(call.key.dtype.bytes(), d, &addresses, &strides);
+        let len = if vec { 16 / call.key.dtype.bytes() } else { 1 };
+        let accesses = rows * (d / len);
+        if accesses > u32::MAX as usize {
+            return Err(Error::TooLarge {
+                what: "rows × d",
+                value: elements,
+            });
+        }
+        let mut params = Params {
+            rows: rows as u32,
+            d: d as u32,
+            rows_per_group: rows_per_group as u32,
+            groups: groups as u32,
+            partials: call.dbias.map_or(0, |(_, workspace)| workspace),
+            ..Params::default()
+        };
+        for (i, (address, stride)) in inputs.iter().enumerate() {
+            params.inputs[i] = *address;
+            params.input_strides[i] = *stride as u64;
+        }
+        for (i, (address, stride)) in outputs.iter().enumerate() {
+            params.outputs[i] = *address;
+            params.output_strides[i] = *stride as u64;
+        }
+        let key = ActivationKey { vec, ..call.key };
+        let kernel = KERNELS
+            .find(&key)
+            .ok_or(Error::Internal("no activation kernel for this key"))?;
+        let family = call.key.family;
+        let tiles = if call.dbias.is_some() {
+            groups * (d / len).div_ceil(THREADS)
+        } else {
+            accesses.div_ceil(THREADS * family.unroll())
+        };
+        elementwise = Some(Launch {
+            kernel,
+            grid: full_grid(device, tiles),
+            block: THREADS,
+            cluster: 1,
+            shared_bytes: (kernel.shared_bytes)(THREADS),
+            params,
+        });
     }
-
-    /// [`backward`] on host memory, run by the CPU emulator.
-    pub fn activation_backward<T: Dtype>(
-        &self,
-        act: Activation,
-        dy: &Rows<&[T]>,
-        preact: &Rows<&[T]>,
-        dx: &mut Rows<&mut [T]>,
-    ) -> Result<()> {
-        same_shape("preact", dy, preact)?;
-        same_shape("dx", dy, dx)?;
-        let inputs = vec![host(dy), host(preact)];
-        Call::new::<T>(
-            Family::Backward,
-            act,
-            (dy.rows, dy.d),
-            inputs,
-            vec![host_mut(dx)],
-        )
-        .run(self)
-    }
-
-    /// [`backward_dbias`] on host memory, run by the CPU emulator.
-    #[allow(clippy::too_many_arguments)]
-    pub fn activation_backward_dbias<T: Dtype>(
-        &self,
-        act: Activation,
-        dy: &Rows<&[T]>,
-        preact: &Rows<&[T]>,
-        dx: &mut Rows<&mut [T]>,
-        dbias: &mut [T],
-        workspace: &mut [f32],
-    ) -> Result<()> {
-        validate_dbias(dy, preact, dx, dbias.len(), workspace.len())?;
-        let inputs = vec![host(dy), host(preact)];
-        let dbias = Some((dbias.as_mut_ptr() as u64, workspace.as_mut_ptr() as u64));
-        Call::new::<T>(
-            Family::BackwardDbias,
-            act,
-            (dy.rows, dy.d),
-            inputs,
-            vec![host_mut(dx)],
-        )
-        .with_dbias(dbias)
-        .run(self)
-    }
-
-    /// [`gated_forward`] on host memory, run by the CPU emulator.
-    pub fn gated_forward<T: Dtype>(
-        &self,
-        act: Activation,
-        a: &Rows<&[T]>,
-        b: &Rows<&[T]>,
-        h: &mut Rows<&mut [T]>,
-    ) -> Result<()> {
-        same_shape("b", a, b)?;
-        same_shape("h", a, h)?;
-        let inputs = vec![host(a), host(b)];
-        Call::new::<T>(
-            Family::GatedForward,
-            act,
-            (a.rows, a.d),
-            inputs,
-            vec![host_mut(h)],
-        )
-        .run(self)
-    }
-
-    /// [`gated_backward_packed`] on host memory (`ab`, `dab` are `rows × 2d`), run by the CPU emulator.
-    pub fn gated_backward_packed<T: Dtype>(
-        &self,
-        act: Activation,
-        dh: &Rows<&[T]>,
-        ab: &Rows<&[T]>,
-        dab: &mut Rows<&mut [T]>,
-    ) -> Result<()> {
-        packed_width("ab", ab, dh.rows, dh.d)?;
-        packed_width("dab", dab, dh.rows, dh.d)?;
-        let (rows, d, bytes) = (dh.rows, dh.d, T::KERNEL.bytes());
-        let [a, b] = halves(host(ab), d, bytes);
-        let outputs = halves(host_mut(dab), d, bytes).to_vec();
-        Call::new::<T>(
-            Family::GatedBackward,
-            act,
-            (rows, d),
-            vec![host(dh), a, b],
-            outputs,
-        )
-        .run(self)
-    }
+    let sums = match call.dbias {
+        Some((dbias, workspace)) => Some(column_sum(
+            device,
+            call.key.dtype,
+            (workspace, dbias),
+            None,
+            groups,
+            d,
+        )?),
+        None => None,
+    };
+    Ok(Plan { elementwise, sums })
 }

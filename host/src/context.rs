@@ -1,23 +1,24 @@
-//! The GPU side: a CUDA context with normkern's PTX loaded, and the executor that launches on a
-//! caller's stream.
+//! The GPU side: a CUDA context with normkern's kernels loaded ([`Context`]), and the executor
+//! that launches them on one of the caller's streams ([`Gpu`]).
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::CUfunction_attribute_enum::{
     CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
 };
 use cudarc::driver::sys::{self, CUdevice_attribute};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaStream, CudaView, CudaViewMut, DevicePtr,
+    DevicePtrMut, DeviceSlice, SyncOnDrop,
 };
 use cudarc::nvrtc::Ptx;
-use normkern_gpu::activation::Family;
-use normkern_gpu::norm::Norm;
-use normkern_gpu::variant::{ActVariant, Dtype, EntryName, TILES, Variant, act, tiles};
+use normkern_gpu::kernel::Entry;
 
 use crate::error::{Error, Result};
-use crate::launch::{Executor, Kernel, Shape};
+use crate::executor::private::Sealed;
+use crate::executor::{Device, Executor, Launch};
+use crate::tensor::Dtype;
 
 /// PTX built by `cargo xtask build-ptx`, one per target architecture, newest first.
 const PTX: [(u32, &str); 2] = [
@@ -25,21 +26,30 @@ const PTX: [(u32, &str); 2] = [
     (80, include_str!("../ptx/normkern_sm80.ptx")),
 ];
 
-/// Kernel families compiled once per dtype (the norm families are compiled per [`Variant`]).
-const DTYPE_FAMILIES: [&str; 1] = ["column_sum"];
-const DTYPES: [Dtype; 3] = [Dtype::F32, Dtype::F16, Dtype::Bf16];
+/// A kernel as loaded: its function and what the driver says of it.
+struct Loaded {
+    function: CudaFunction,
+    /// The most threads a block may have (its registers decide).
+    max_threads: usize,
+}
 
-/// A CUDA device with normkern's kernels loaded. Share it by reference; every launch takes the
-/// caller's stream, so one context serves any number of streams.
+/// Occupancy questions the plans ask: (kernel id, block, cluster, shared bytes).
+type OccupancyKey = (usize, usize, usize, usize);
+
+/// A CUDA device with normkern's kernels loaded. Share it by reference; launches go to the
+/// stream of a [`Gpu`] ([`Context::on`]), so one context serves any number of streams.
 pub struct Context {
     cuda: Arc<CudaContext>,
     _module: Arc<CudaModule>,
-    functions: HashMap<String, CudaFunction>,
+    /// Every kernel of the tables this PTX has, by kernel id.
+    kernels: HashMap<usize, Loaded>,
     ptx_arch: u32,
     sm_count: usize,
     /// Dynamic shared memory one block may opt into (bytes).
     shared_opt_in: usize,
     grid_limit: Option<usize>,
+    /// Answers of the driver's occupancy calculator, asked once per distinct question.
+    occupancy: Mutex<HashMap<OccupancyKey, usize>>,
 }
 
 impl std::fmt::Debug for Context {
@@ -54,8 +64,15 @@ impl std::fmt::Debug for Context {
 }
 
 impl Context {
-    /// Opens device `ordinal` (its primary context) and loads the PTX for its architecture.
+    /// Opens device `ordinal` (its primary context) and loads the kernels for its architecture.
     /// No driver or no such device is an [`Error`], never a panic.
+    ///
+    /// ```no_run
+    /// let ctx = normkern::Context::new(0)?;
+    /// let stream = ctx.cuda().new_stream().unwrap();
+    /// let gpu = ctx.on(&stream)?;
+    /// # Ok::<(), normkern::Error>(())
+    /// ```
     pub fn new(ordinal: usize) -> Result<Self> {
         // cudarc panics on the first driver call when libcuda is missing: ask first.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
@@ -81,76 +98,46 @@ impl Context {
         let module = cuda
             .load_module(Ptx::from_src(ptx))
             .map_err(Error::driver("cuModuleLoadData"))?;
-        let mut names: Vec<EntryName> = Vec::new();
-        let mut staged: Vec<EntryName> = Vec::new();
-        for dtype in DTYPES {
-            names.extend(DTYPE_FAMILIES.iter().map(|f| EntryName::new(f, dtype)));
-            for (norm, residual) in Norm::ALL.iter().flat_map(|&n| [(n, false), (n, true)]) {
-                let (fwd, bwd) = norm.families(residual);
-                for vec in [true, false] {
-                    for &vpt in tiles(vec, Norm::scalar_streams(residual)) {
-                        let v = Variant {
-                            dtype,
-                            vec,
-                            vpt,
-                            cluster: false,
-                        };
-                        names.extend([v.entry_name(fwd), v.entry_name(bwd)]);
-                    }
-                }
-                if ptx_arch >= 90 {
-                    for vpt in TILES {
-                        let v = Variant {
-                            dtype,
-                            vec: true,
-                            vpt,
-                            cluster: true,
-                        };
-                        names.extend([v.entry_name(fwd), v.entry_name(bwd)]);
-                        if normkern_gpu::norm::staged(true, residual, vpt) {
-                            staged.push(v.entry_name(bwd));
-                        }
-                    }
-                }
-            }
-            for family in Family::ALL {
-                for vec in [true, false] {
-                    for (a, _) in act::ALL {
-                        names.push(ActVariant { dtype, vec, act: a }.entry_name(family.prefix()));
-                    }
-                }
-            }
-        }
-        let mut functions = HashMap::new();
-        for name in names {
-            let f = module
-                .load_function(name.as_str())
+        let attribute = |a| {
+            cuda.attribute(a)
+                .map_err(Error::driver("cuDeviceGetAttribute"))
+        };
+        let sm_count = attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let shared_opt_in =
+            attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+        let mut kernels = HashMap::new();
+        for entry in normkern_gpu::kernels().filter(|e| e.min_arch <= ptx_arch) {
+            let function = module
+                .load_function(entry.name)
                 .map_err(Error::driver("cuModuleGetFunction"))?;
-            functions.insert(name.as_str().to_owned(), f);
-        }
-        let sm_count = cuda
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(Error::driver("cuDeviceGetAttribute"))? as usize;
-        let shared_opt_in = cuda
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .map_err(Error::driver("cuDeviceGetAttribute"))?;
-        // The staged kernels size their ring to the block; the tile choice keeps them within this.
-        for name in staged {
-            functions[name.as_str()]
-                .set_attribute(
-                    CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    shared_opt_in,
-                )
-                .map_err(Error::driver("cuFuncSetAttribute"))?;
+            // Kernels whose shared memory grows with the block (the staged ring) may use what
+            // the device offers; the plans keep their blocks within it.
+            if entry.large_shared {
+                function
+                    .set_attribute(
+                        CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        shared_opt_in,
+                    )
+                    .map_err(Error::driver("cuFuncSetAttribute"))?;
+            }
+            let max_threads = function
+                .get_attribute(CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
+                .map_err(Error::driver("cuFuncGetAttribute"))?;
+            let loaded = Loaded {
+                function,
+                max_threads: max_threads.max(0) as usize,
+            };
+            kernels.insert(entry.id, loaded);
         }
         Ok(Context {
             cuda,
             _module: module,
-            functions,
+            kernels,
             ptx_arch,
-            sm_count,
-            shared_opt_in: shared_opt_in as usize,
+            sm_count: sm_count.max(0) as usize,
+            shared_opt_in: shared_opt_in.max(0) as usize,
             grid_limit: None,
+            occupancy: Mutex::new(HashMap::new()),
         })
     }
 
@@ -163,6 +150,12 @@ impl Context {
         }
         self.grid_limit = Some(blocks);
         Ok(self)
+    }
+
+    /// The executor that runs normkern's ops on `stream`, which must belong to this context.
+    pub fn on<'a>(&'a self, stream: &'a CudaStream) -> Result<Gpu<'a>> {
+        self.check_context("stream", stream)?;
+        Ok(Gpu { ctx: self, stream })
     }
 
     /// The underlying cudarc context.
@@ -180,105 +173,168 @@ impl Context {
         self.sm_count
     }
 
-    fn function(&self, kernel: &Kernel) -> Result<&CudaFunction> {
-        self.functions
-            .get(kernel.entry_name().as_str())
-            .ok_or(Error::Driver {
-                name: "CUDA_ERROR_NOT_FOUND".into(),
-                during: "kernel lookup",
-            })
+    fn kernel(&self, kernel: Entry) -> Result<&Loaded> {
+        self.kernels.get(&kernel.id).ok_or(Error::Internal(
+            "a kernel the plan chose is not loaded (it is not in this architecture's PTX)",
+        ))
     }
 
     /// Checks that a stream (or a buffer's stream) belongs to this context.
-    pub(crate) fn check_context(&self, what: &'static str, stream: &CudaStream) -> Result<()> {
+    fn check_context(&self, what: &'static str, stream: &CudaStream) -> Result<()> {
         if **stream.context() != *self.cuda {
             return Err(Error::WrongContext { what });
         }
         Ok(())
     }
+
+    /// The driver's occupancy answer for `key`, asked once.
+    fn occupancy(&self, key: OccupancyKey, ask: impl FnOnce() -> Result<usize>) -> Result<usize> {
+        if let Some(&n) = self.lock_occupancy().get(&key) {
+            return Ok(n);
+        }
+        let n = ask()?;
+        self.lock_occupancy().insert(key, n);
+        Ok(n)
+    }
+
+    fn lock_occupancy(&self) -> std::sync::MutexGuard<'_, HashMap<OccupancyKey, usize>> {
+        // A panic elsewhere cannot leave the map half-updated: use it as it is.
+        self.occupancy.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
-/// Launches on one stream of a [`Context`].
-pub(crate) struct Gpu<'a> {
-    pub ctx: &'a Context,
-    pub stream: &'a CudaStream,
-}
-
-/// A `#[repr(C)]` parameter block passed by value as the kernel's single argument.
-#[repr(transparent)]
-struct Params<P>(P);
-// SAFETY: every parameter struct is `#[repr(C)]`, `Copy`, and holds only integers and floats.
-unsafe impl<P: Copy> DeviceRepr for Params<P> {}
-
-impl Executor for Gpu<'_> {
-    fn max_threads(&self, kernel: &Kernel) -> Result<usize> {
-        let f = self.ctx.function(kernel)?;
-        let n = f
-            .get_attribute(CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
-            .map_err(Error::driver("cuFuncGetAttribute"))?;
-        Ok(n as usize)
-    }
-
-    fn resident_blocks(&self, kernel: &Kernel, block: usize, shared_bytes: usize) -> Result<usize> {
-        let f = self.ctx.function(kernel)?;
-        let per_sm = f
-            .occupancy_max_active_blocks_per_multiprocessor(block as u32, shared_bytes, None)
-            .map_err(Error::driver("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
-        Ok(per_sm as usize * self.ctx.sm_count)
-    }
-
-    fn resident_clusters(
-        &self,
-        kernel: &Kernel,
-        block: usize,
-        cluster: usize,
-        shared_bytes: usize,
-    ) -> Result<usize> {
-        let f = self.ctx.function(kernel)?;
-        let mut attribute = cluster_attribute(cluster);
-        let config = launch_config(
-            Shape {
-                grid: cluster,
-                block,
-                cluster,
-                shared_bytes,
-            },
-            self.stream,
-            &mut attribute,
-        );
-        let mut clusters: std::ffi::c_int = 0;
-        // SAFETY: a live function of this context and a config whose one attribute outlives the call.
-        unsafe { sys::cuOccupancyMaxActiveClusters(&mut clusters, f.cu_function(), &config) }
-            .result()
-            .map_err(Error::driver("cuOccupancyMaxActiveClusters"))?;
-        Ok(clusters.max(0) as usize)
-    }
-
-    fn shared_opt_in(&self) -> usize {
-        self.ctx.shared_opt_in
+impl Device for Context {
+    fn sm_count(&self) -> usize {
+        self.sm_count
     }
 
     fn max_cluster(&self) -> usize {
         // The portable limit of sm_90; its PTX has the cluster instances.
-        if self.ctx.ptx_arch >= 90 { 8 } else { 1 }
+        if self.ptx_arch >= 90 { 8 } else { 1 }
     }
 
-    fn sm_count(&self) -> usize {
-        self.ctx.sm_count
+    fn shared_opt_in(&self) -> usize {
+        self.shared_opt_in
     }
 
     fn grid_limit(&self) -> Option<usize> {
-        self.ctx.grid_limit
+        self.grid_limit
     }
 
-    fn launch(&self, kernel: &Kernel, shape: Shape) -> Result<()> {
-        let f = self.ctx.function(kernel)?;
-        match kernel {
-            Kernel::NormForward(_, _, p) => launch_one(f, self.stream, shape, *p),
-            Kernel::NormBackward(_, _, p) => launch_one(f, self.stream, shape, *p),
-            Kernel::ColumnSum(_, p) => launch_one(f, self.stream, shape, *p),
-            Kernel::Activation(_, _, p) => launch_one(f, self.stream, shape, *p),
+    fn max_threads(&self, kernel: Entry) -> Result<usize> {
+        Ok(self.kernel(kernel)?.max_threads)
+    }
+
+    fn resident_blocks(&self, kernel: Entry, block: usize, shared_bytes: usize) -> Result<usize> {
+        let f = &self.kernel(kernel)?.function;
+        self.occupancy((kernel.id, block, 1, shared_bytes), || {
+            let per_sm = f
+                .occupancy_max_active_blocks_per_multiprocessor(block as u32, shared_bytes, None)
+                .map_err(Error::driver("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
+            Ok(per_sm as usize * self.sm_count)
+        })
+    }
+
+    fn resident_clusters(
+        &self,
+        kernel: Entry,
+        block: usize,
+        cluster: usize,
+        shared_bytes: usize,
+    ) -> Result<usize> {
+        let f = &self.kernel(kernel)?.function;
+        self.occupancy((kernel.id, block, cluster, shared_bytes), || {
+            let mut attribute = cluster_attribute(cluster);
+            let shape = (cluster, block, shared_bytes);
+            let config = launch_config(shape, std::ptr::null_mut(), &mut attribute);
+            let mut clusters: std::ffi::c_int = 0;
+            // SAFETY: a live function of this context and a config whose one attribute outlives
+            // the call.
+            unsafe { sys::cuOccupancyMaxActiveClusters(&mut clusters, f.cu_function(), &config) }
+                .result()
+                .map_err(Error::driver("cuOccupancyMaxActiveClusters"))?;
+            Ok(clusters.max(0) as usize)
+        })
+    }
+}
+
+/// Runs normkern's ops on one stream of a [`Context`]: made by [`Context::on`].
+#[derive(Clone, Copy, Debug)]
+pub struct Gpu<'a> {
+    ctx: &'a Context,
+    stream: &'a CudaStream,
+}
+
+impl Gpu<'_> {
+    /// The context.
+    pub fn context(&self) -> &Context {
+        self.ctx
+    }
+
+    /// The stream launches go to.
+    pub fn stream(&self) -> &CudaStream {
+        self.stream
+    }
+}
+
+impl Sealed for Gpu<'_> {}
+
+impl<'s> Executor for Gpu<'s> {
+    type In<'a, T: Dtype> = CudaView<'a, T>;
+    type Out<'a, T: Dtype> = CudaViewMut<'a, T>;
+    type Guard<'g>
+        = SyncOnDrop<'g>
+    where
+        Self: 'g;
+
+    fn input<'g, T: Dtype>(
+        &'g self,
+        what: &'static str,
+        buffer: &'g CudaView<'_, T>,
+    ) -> Result<(u64, SyncOnDrop<'g>)> {
+        self.ctx.check_context(what, buffer.stream())?;
+        Ok(buffer.device_ptr(self.stream))
+    }
+
+    fn output<'g, T: Dtype>(
+        &'g self,
+        what: &'static str,
+        buffer: &'g mut CudaViewMut<'_, T>,
+    ) -> Result<(u64, SyncOnDrop<'g>)> {
+        self.ctx.check_context(what, buffer.stream())?;
+        Ok(buffer.device_ptr_mut(self.stream))
+    }
+
+    fn device(&self) -> &dyn Device {
+        self.ctx
+    }
+
+    fn launch<K: Sync, P: Copy + Sync>(&self, launch: &Launch<K, P>) -> Result<()> {
+        let f = &self.ctx.kernel(launch.kernel.entry())?.function;
+        self.ctx
+            .cuda
+            .bind_to_thread()
+            .map_err(Error::driver("cuCtxSetCurrent"))?;
+        let mut attribute = cluster_attribute(launch.cluster);
+        let shape = (launch.grid, launch.block, launch.shared_bytes);
+        let mut config = launch_config(shape, self.stream.cu_stream(), &mut attribute);
+        if launch.cluster == 1 {
+            config.numAttrs = 0;
         }
+        let mut params = launch.params;
+        let mut args = [&mut params as *mut P as *mut std::ffi::c_void];
+        // SAFETY: the op that planned the launch validated every buffer the parameters point to;
+        // the one kernel argument is the parameter block, passed by value as the entry declares.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                f.cu_function(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(Error::driver("cuLaunchKernelEx"))
     }
 }
 
@@ -293,65 +349,80 @@ fn cluster_attribute(blocks: usize) -> sys::CUlaunchAttribute {
     attribute
 }
 
-/// The driver's description of a clustered launch on `stream`, pointing at `attribute`.
+/// The driver's description of a launch of `(grid, block, shared bytes)` on `stream`, with
+/// `attribute` (a cluster dimension) as its one attribute.
 fn launch_config(
-    shape: Shape,
-    stream: &CudaStream,
+    (grid, block, shared_bytes): (usize, usize, usize),
+    stream: sys::CUstream,
     attribute: &mut sys::CUlaunchAttribute,
 ) -> sys::CUlaunchConfig {
     sys::CUlaunchConfig {
-        gridDimX: shape.grid as u32,
+        gridDimX: grid as u32,
         gridDimY: 1,
         gridDimZ: 1,
-        blockDimX: shape.block as u32,
+        blockDimX: block as u32,
         blockDimY: 1,
         blockDimZ: 1,
-        sharedMemBytes: shape.shared_bytes as u32,
-        hStream: stream.cu_stream(),
+        sharedMemBytes: shared_bytes as u32,
+        hStream: stream,
         attrs: attribute,
         numAttrs: 1,
     }
 }
 
-fn launch_one<P: Copy>(
-    f: &CudaFunction,
-    stream: &CudaStream,
-    shape: Shape,
-    params: P,
-) -> Result<()> {
-    let params = Params(params);
-    if shape.cluster > 1 {
-        // cudarc's launch builder has no cluster dimension: the driver call is made here, as the
-        // builder would make it (the buffers' stream ordering is already held by the op's guards).
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(Error::driver("cuCtxSetCurrent"))?;
-        let mut attribute = cluster_attribute(shape.cluster);
-        let config = launch_config(shape, stream, &mut attribute);
-        let mut args = [&params as *const Params<P> as *mut std::ffi::c_void];
-        // SAFETY: the op that built the parameters validated every buffer against them; the one
-        // kernel argument is the parameter block, passed by value as the entry declares it.
-        unsafe {
-            sys::cuLaunchKernelEx(
-                &config,
-                f.cu_function(),
-                args.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use super::PTX;
+
+    /// The kernel tables and the committed PTX agree, without a GPU: every kernel a table
+    /// declares for an architecture is an entry of its PTX (the context can load it), and every
+    /// entry of the PTX is declared (nothing compiled goes unused). A stale PTX fails here too.
+    #[test]
+    fn every_table_kernel_is_in_the_ptx_and_every_ptx_entry_in_a_table() {
+        for (arch, ptx) in PTX {
+            let entries: BTreeSet<&str> = ptx
+                .lines()
+                .filter_map(|l| l.strip_prefix(".visible .entry "))
+                .map(|l| l.trim_end_matches('('))
+                .collect();
+            let declared: BTreeSet<&str> = normkern_gpu::kernels()
+                .filter(|k| k.min_arch <= arch)
+                .map(|k| k.name)
+                .collect();
+            let missing: Vec<_> = declared.difference(&entries).collect();
+            let undeclared: Vec<_> = entries.difference(&declared).collect();
+            assert!(missing.is_empty(), "sm_{arch}: not in the PTX: {missing:?}");
+            assert!(
+                undeclared.is_empty(),
+                "sm_{arch}: in no table: {undeclared:?}"
+            );
         }
-        .result()
-        .map_err(Error::driver("cuLaunchKernelEx"))?;
-        return Ok(());
     }
-    let cfg = LaunchConfig {
-        grid_dim: (shape.grid as u32, 1, 1),
-        block_dim: (shape.block as u32, 1, 1),
-        shared_mem_bytes: shape.shared_bytes as u32,
-    };
-    let mut builder = stream.launch_builder(f);
-    builder.arg(&params);
-    // SAFETY: the op that built the parameters validated every buffer against them.
-    unsafe { builder.launch(cfg) }.map_err(Error::driver("cuLaunchKernel"))?;
-    Ok(())
+
+    /// Names and identities are unique, so the context's map holds every kernel once.
+    #[test]
+    fn kernel_names_and_ids_are_unique() {
+        let all: Vec<_> = normkern_gpu::kernels().collect();
+        let names: BTreeSet<_> = all.iter().map(|k| k.name).collect();
+        let ids: BTreeSet<_> = all.iter().map(|k| k.id).collect();
+        assert_eq!(names.len(), all.len());
+        assert_eq!(ids.len(), all.len());
+    }
+
+    /// Keys are unique within each table, so a plan's lookup names one kernel.
+    #[test]
+    fn keys_are_unique_within_each_table() {
+        fn unique<K: PartialEq + std::fmt::Debug, P>(table: &normkern_gpu::kernel::Table<K, P>) {
+            let keys: Vec<&K> = table.iter().map(|k| &k.key).collect();
+            for (i, k) in keys.iter().enumerate() {
+                assert!(!keys[..i].contains(k), "{k:?} twice");
+            }
+        }
+        unique(&normkern_gpu::norm::FORWARD);
+        unique(&normkern_gpu::norm::BACKWARD);
+        unique(&normkern_gpu::activation::KERNELS);
+        unique(&normkern_gpu::column_sum::KERNELS);
+    }
 }

@@ -1,13 +1,15 @@
 //! The CPU executor: runs the very kernel bodies that are compiled to PTX, block by block, with
-//! each block's threads as OS threads (see `normkern_gpu::arch::emu`). Same validation, same launch
-//! planning, host slices instead of device buffers. For tests and for machines without a GPU; it
-//! is slow (thousands of OS threads per launch), so keep shapes small.
+//! each block's threads as OS threads (see `normkern_gpu::arch::emu`). Same validation, same
+//! launch plans, host slices instead of device buffers. For tests and for machines without a GPU;
+//! it is slow (thousands of OS threads per launch), so keep shapes small.
 
 use normkern_gpu::arch::emu;
-use normkern_gpu::{activation, norm, reduce};
+use normkern_gpu::kernel::Entry;
 
 use crate::error::{Error, Result};
-use crate::launch::{Executor, Kernel, Shape};
+use crate::executor::private::Sealed;
+use crate::executor::{Device, Executor, Launch};
+use crate::tensor::Dtype;
 
 /// Blocks the emulator pretends are resident at once: a small device, so persistent grids walk
 /// several rows or groups per block as they do on a GPU.
@@ -20,7 +22,24 @@ const EMULATED_MAX_CLUSTER: usize = 2;
 /// Dynamic shared memory a block may opt into: the H100's and H200's 227 KiB.
 const EMULATED_SHARED_OPT_IN: usize = 227 * 1024;
 
-/// Runs normkern's kernels on the CPU. Methods mirror the GPU functions of each op module.
+/// Runs normkern's ops on the CPU, over host slices: pass `&Emulator` where a [`crate::Gpu`]
+/// would go.
+///
+/// ```
+/// use normkern::{Emulator, NormForward, Rows, rms_norm};
+///
+/// let (rows, d) = (4, 64);
+/// let x = vec![0.5f32; rows * d];
+/// let weight = vec![1.0f32; d];
+/// let mut y = vec![0.0f32; rows * d];
+/// let emu = Emulator::new();
+/// rms_norm::forward(
+///     &emu,
+///     NormForward::new(Rows::new(&x[..], rows, d)?, &weight[..], Rows::new(&mut y[..], rows, d)?),
+/// )?;
+/// assert!((y[0] - 1.0).abs() < 1e-3);
+/// # Ok::<(), normkern::Error>(())
+/// ```
 #[derive(Clone, Copy, Debug)]
 pub struct Emulator {
     grid_limit: Option<usize>,
@@ -78,9 +97,9 @@ impl Emulator {
     }
 }
 
-impl Executor for Emulator {
-    fn max_threads(&self, _kernel: &Kernel) -> Result<usize> {
-        Ok(self.block_limit)
+impl Device for Emulator {
+    fn sm_count(&self) -> usize {
+        EMULATED_RESIDENT_BLOCKS
     }
 
     fn max_cluster(&self) -> usize {
@@ -91,54 +110,58 @@ impl Executor for Emulator {
         EMULATED_SHARED_OPT_IN
     }
 
-    fn sm_count(&self) -> usize {
-        EMULATED_RESIDENT_BLOCKS
-    }
-
-    fn resident_blocks(
-        &self,
-        _kernel: &Kernel,
-        _block: usize,
-        _shared_bytes: usize,
-    ) -> Result<usize> {
-        Ok(EMULATED_RESIDENT_BLOCKS)
-    }
-
     fn grid_limit(&self) -> Option<usize> {
         self.grid_limit
     }
 
-    fn launch(&self, kernel: &Kernel, shape: Shape) -> Result<()> {
-        let name = kernel.entry_name();
-        let run = |body: &(dyn Fn() + Sync)| {
-            emu::launch(
-                name.as_str(),
-                shape.grid,
-                shape.block,
-                shape.cluster,
-                shape.shared_bytes,
-                body,
-            )
-            .map_err(|e| Error::Emulator(e.to_string()))
-        };
-        // SAFETY (each arm): the op that built the parameters validated every buffer against them.
-        match *kernel {
-            Kernel::NormForward(n, v, p) => {
-                let body = norm::forward_body(n, p.residual_family(), v);
-                run(&|| unsafe { body(&p) })
-            }
-            Kernel::NormBackward(n, v, p) => {
-                let body = norm::backward_body(n, p.residual_family(), v);
-                run(&|| unsafe { body(&p) })
-            }
-            Kernel::ColumnSum(dt, p) => {
-                let body = reduce::column_sum_body(dt);
-                run(&|| unsafe { body(&p) })
-            }
-            Kernel::Activation(family, v, p) => {
-                let body = activation::body(family, v);
-                run(&|| unsafe { body(&p) })
-            }
-        }
+    fn max_threads(&self, _kernel: Entry) -> Result<usize> {
+        Ok(self.block_limit)
+    }
+
+    fn resident_blocks(&self, _kernel: Entry, _block: usize, _shared: usize) -> Result<usize> {
+        Ok(EMULATED_RESIDENT_BLOCKS)
+    }
+
+    fn resident_clusters(&self, _: Entry, _: usize, cluster: usize, _: usize) -> Result<usize> {
+        Ok(EMULATED_RESIDENT_BLOCKS / cluster)
+    }
+}
+
+impl Sealed for Emulator {}
+
+impl Executor for Emulator {
+    type In<'a, T: Dtype> = &'a [T];
+    type Out<'a, T: Dtype> = &'a mut [T];
+    type Guard<'g> = ();
+
+    fn input<'g, T: Dtype>(&'g self, _what: &'static str, buffer: &'g &[T]) -> Result<(u64, ())> {
+        Ok((buffer.as_ptr() as u64, ()))
+    }
+
+    fn output<'g, T: Dtype>(
+        &'g self,
+        _what: &'static str,
+        buffer: &'g mut &mut [T],
+    ) -> Result<(u64, ())> {
+        Ok((buffer.as_mut_ptr() as u64, ()))
+    }
+
+    fn device(&self) -> &dyn Device {
+        self
+    }
+
+    fn launch<K: Sync, P: Copy + Sync>(&self, launch: &Launch<K, P>) -> Result<()> {
+        let (body, params) = (launch.kernel.body, launch.params);
+        emu::launch(
+            launch.kernel.name,
+            launch.grid,
+            launch.block,
+            launch.cluster,
+            launch.shared_bytes,
+            // SAFETY: the op that planned the launch validated every buffer the parameters
+            // point to.
+            &|| unsafe { body(&params) },
+        )
+        .map_err(|e| Error::Emulator(e.to_string()))
     }
 }

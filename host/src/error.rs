@@ -63,7 +63,7 @@ pub enum Error {
     /// The γ offset must be finite.
     #[error("gamma offset must be finite, got {0}")]
     GammaOffset(f32),
-    /// The backward's workspace is smaller than [`crate::rms_norm::workspace_len`].
+    /// A workspace smaller than the op needs (`rms_norm::workspace_len` and the like).
     #[error("workspace holds {actual} f32, the backward needs {needed}")]
     WorkspaceTooSmall { needed: usize, actual: usize },
     /// A buffer or stream belongs to another CUDA context than the normkern [`crate::Context`].
@@ -72,6 +72,15 @@ pub enum Error {
     /// A grid limit of 0 blocks.
     #[error("grid limit must be at least 1 block")]
     ZeroGrid,
+    /// An argument the operation does not take, or one it needs only together with another.
+    #[error("{what}: {problem}")]
+    Argument {
+        what: &'static str,
+        problem: &'static str,
+    },
+    /// An invariant of normkern's own did not hold: a bug, please report it.
+    #[error("internal error: {0}")]
+    Internal(&'static str),
 }
 
 /// normkern's result type.

@@ -1,7 +1,7 @@
 //! Storage dtypes and typed row views over device (or, for the emulator, host) buffers.
 
 use cudarc::driver::{CudaView, CudaViewMut, DeviceRepr};
-use normkern_gpu::variant::Dtype as KernelDtype;
+use normkern_gpu::kernel::Dtype as KernelDtype;
 
 use crate::error::{Error, Result};
 

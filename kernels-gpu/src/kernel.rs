@@ -61,7 +61,10 @@ pub struct Table<K: 'static, P: 'static>(pub &'static [&'static [&'static [Kerne
 impl<K: PartialEq, P> Table<K, P> {
     /// Every kernel of the family.
     pub fn iter(&self) -> impl Iterator<Item = &'static Kernel<K, P>> + Clone {
-        self.0.iter().flat_map(|line| line.iter()).flat_map(|group| group.iter())
+        self.0
+            .iter()
+            .flat_map(|line| line.iter())
+            .flat_map(|group| group.iter())
     }
 
     /// The kernel with this key, if the family has one.

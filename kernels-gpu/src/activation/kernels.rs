@@ -5,7 +5,6 @@ use super::functions::{apply_stored, grad_stored};
 use crate::arch;
 use crate::element::{Access, Element, Pack, row_addr, store_f32s};
 
-
 /// Launch parameters of every activation kernel: up to three row inputs and two row outputs, each
 /// with its own stride (elements), and the dbias group layout. Unused pointers are 0.
 ///

@@ -35,16 +35,12 @@ pub unsafe fn backward<
     unsafe {
         match (VPT == STREAM, RESIDUAL) {
             (true, false) => backward_stream::<T, VEC, N, _>(p, plain, team),
-            (true, true) => {
-                backward_stream::<T, VEC, N, _>(p, ResidualBackward::new(p), team)
-            }
+            (true, true) => backward_stream::<T, VEC, N, _>(p, ResidualBackward::new(p), team),
             (false, false) if staged(CLUSTER, RESIDUAL, VPT) => {
                 backward_staged::<T, VEC, VPT, N>(p, plain, team)
             }
             (false, false) => backward_regs::<T, VEC, VPT, N, _>(p, plain, team),
-            (false, true) => {
-                backward_regs::<T, VEC, VPT, N, _>(p, ResidualBackward::new(p), team)
-            }
+            (false, true) => backward_regs::<T, VEC, VPT, N, _>(p, ResidualBackward::new(p), team),
         }
     }
     team.finish();

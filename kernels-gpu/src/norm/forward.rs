@@ -1,10 +1,10 @@
 //! The forward: y and the row statistics, from a register tile or a streamed row.
 
 use super::Normalization;
-use crate::arch;
 use super::params::ForwardParams;
 use super::policy::{STREAM, forward_prefetches};
 use super::rows::{AddResidual, Plain, RowSource, param, row_stats_regs, row_stats_stream};
+use crate::arch;
 use crate::element::{Access, Element, Pack, row_addr};
 use crate::reduce::{RowReducer, Team};
 
@@ -29,7 +29,13 @@ pub(super) fn save_stats<N: Normalization>(
 
 /// `y` of one element: `(x−μ)·rstd·γ (+ β)`.
 #[inline(always)]
-pub(super) fn normalize<N: Normalization>(x: f32, mean: f32, rstd: f32, gamma: f32, beta: f32) -> f32 {
+pub(super) fn normalize<N: Normalization>(
+    x: f32,
+    mean: f32,
+    rstd: f32,
+    gamma: f32,
+    beta: f32,
+) -> f32 {
     if N::CENTERED {
         arch::fma((x - mean) * rstd, gamma, beta)
     } else {
@@ -176,15 +182,7 @@ pub(super) unsafe fn forward_stream<
         // Every pass re-reads the inputs (from L2) rather than the residual sum it wrote: the
         // sum is only written once, in the last pass.
         let (mean, rstd) = unsafe {
-            row_stats_stream::<T, VEC, N, S>(
-                &mut reducer,
-                team,
-                &src,
-                row,
-                d,
-                p.inv_d,
-                p.eps,
-            )
+            row_stats_stream::<T, VEC, N, S>(&mut reducer, team, &src, row, d, p.inv_d, p.eps)
         };
         save_stats::<N>(p, team, row, mean, rstd);
         let y_row = row_addr::<T>(p.y, row, p.y_stride);

@@ -31,8 +31,13 @@ pub(super) fn row_ahead(
 /// Rows in flight per block of a [`staged`] backward. Each holds the block's share of x and dy
 /// (at 4 packs × 256 threads, 32 KiB); four keep three rows loading while one is worked on. Groups
 /// of dγ rows must have at least this many rows (but the last of all), as the ring looks this far
-/// ahead into a team's next group only.
+/// ahead into a team's next group only: every layout [`crate::column_sum::group_layout`] makes has.
 pub const STAGES: usize = 4;
+
+const _: () = assert!(
+    crate::column_sum::MIN_ROWS_PER_GROUP >= STAGES
+        && crate::column_sum::MIN_WIDE_ROWS_PER_GROUP >= STAGES
+);
 
 /// The end of a [`StagedRows`] ring that follows `start` words: the stages, 128-byte aligned
 /// (x and dy, `vpt` accesses of 16 bytes per thread each), then one mbarrier per stage.
@@ -135,7 +140,11 @@ impl<T: Element, const VPT: usize> StagedRows<T, VPT> {
     /// # Safety
     /// [`Self::fill`] started row `i`; rows before it were taken in order.
     #[inline(always)]
-    pub(super) unsafe fn take(&self, i: usize, elem: impl Fn(usize) -> usize) -> ([Pack; VPT], [Pack; VPT]) {
+    pub(super) unsafe fn take(
+        &self,
+        i: usize,
+        elem: impl Fn(usize) -> usize,
+    ) -> ([Pack; VPT], [Pack; VPT]) {
         let shared = arch::shared_f32();
         let stage = i % STAGES;
         unsafe { shared.mbarrier_wait(self.barriers + 2 * stage, (i / STAGES % 2) as u32) };
@@ -155,14 +164,20 @@ impl<T: Element, const VPT: usize> StagedRows<T, VPT> {
 /// The [`staged`] backward: as [`backward_regs`], with the rows arriving through [`StagedRows`]
 /// instead of one prefetched row in registers.
 #[inline(always)]
-pub(super) unsafe fn backward_staged<T: Element, const VEC: bool, const VPT: usize, N: Normalization>(
+pub(super) unsafe fn backward_staged<
+    T: Element,
+    const VEC: bool,
+    const VPT: usize,
+    N: Normalization,
+>(
     p: &BackwardParams,
     src: Plain,
     team: Team,
 ) {
     let d = p.d as usize;
-    let ring =
-        unsafe { StagedRows::<T, VPT>::new(gamma_end(N::CENTERED, VPT, arch::block_dim()), team, d) };
+    let ring = unsafe {
+        StagedRows::<T, VPT>::new(gamma_end(N::CENTERED, VPT, arch::block_dim()), team, d)
+    };
     let mut reducer = unsafe { RowReducer::new(team.cluster) };
     let tile = unsafe { BackwardTile::<T, VEC, VPT, N, Plain>::new(p, src, team) };
     let (per_group, rows) = (p.rows_per_group as usize, p.rows as usize);
@@ -173,7 +188,7 @@ pub(super) unsafe fn backward_staged<T: Element, const VEC: bool, const VPT: usi
     let filler = arch::thread_idx() == 0;
     let mut group = team.first;
     let (first, end) = group_rows(group);
-    // A group has at least `STAGES` rows unless it is the last of all (the host's group layout),
+    // A group has at least `STAGES` rows unless it is the last of all (`group_layout`),
     // so the first `STAGES` rows of a team lie in its first group.
     if filler {
         for (i, row) in (first..end.max(first)).take(STAGES).enumerate() {

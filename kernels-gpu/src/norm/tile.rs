@@ -70,7 +70,14 @@ pub(super) type LoadedRow<R, E, const VPT: usize> = ([R; VPT], [Pack; VPT], [E; 
 pub(super) type Pass1<H, const VPT: usize> = ([H; VPT], (f32, f32), PendingSums);
 
 /// What the rows of a backward register tile share: this thread's accesses and its γ.
-pub(super) struct BackwardTile<'a, T: Element, const VEC: bool, const VPT: usize, N: Normalization, S> {
+pub(super) struct BackwardTile<
+    'a,
+    T: Element,
+    const VEC: bool,
+    const VPT: usize,
+    N: Normalization,
+    S,
+> {
     p: &'a BackwardParams,
     src: S,
     team: Team,
@@ -204,9 +211,7 @@ impl<T: Element, const VEC: bool, const VPT: usize, N: Normalization, S: RowSour
         // Nothing saved: recompute the statistics from the row already in registers.
         let (mean, rstd) = if p.rstd == 0 {
             unsafe {
-                row_stats_regs::<T, VEC, VPT, N, S>(
-                    reducer, self.team, &x, self.d, p.inv_d, p.eps,
-                )
+                row_stats_regs::<T, VEC, VPT, N, S>(reducer, self.team, &x, self.d, p.inv_d, p.eps)
             }
         } else {
             *saved

@@ -1,0 +1,558 @@
+//! The norm backward: its arguments, validation and launch plan (the row kernel, then the column
+//! sum of the dγ and dβ partials).
+
+use normkern_gpu::column_sum::{ColumnSumParams, group_layout};
+use normkern_gpu::kernel::{Dtype as KernelDtype, Kernel};
+use normkern_gpu::norm::{BACKWARD, BackwardParams, Norm, NormKey};
+
+use super::{RowLaunch, check_config, inv, params_f32, stored_f32, stride_in_elems};
+use crate::error::{Error, Result};
+use crate::executor::{Device, Executor, Launch, optional_input, optional_output};
+use crate::plan::{column_sum, packs_fit};
+use crate::tensor::{Buffer, Dtype, Rows, expect_len};
+
+/// The arguments of a norm backward ([`crate::rms_norm::backward`],
+/// [`crate::layer_norm::backward`]): `dy` and `dx` in the activations' dtype `T`; `x` (and
+/// `dresidual`) in `T` or f32 (`H`, an fp32 residual stream); `weight` in `T` or f32 (`W`);
+/// `dweight` and `dbias` in `W` or f32 (`G`).
+///
+/// The statistics are the forward's saved ones (`rstd`, and LayerNorm's `mean` with it), or
+/// recomputed from x when none are given (one more reduction per row).
+#[must_use = "the arguments do nothing until passed to rms_norm::backward or layer_norm::backward"]
+pub struct NormBackward<'a, E: Executor, T: Dtype, H: Dtype = T, W: Dtype = T, G: Dtype = W> {
+    /// `rows × d`: the gradient arriving on y.
+    pub dy: Rows<E::In<'a, T>>,
+    /// `rows × d`: the forward's input (with a fused residual, the forward's `residual_out`).
+    pub x: Rows<E::In<'a, H>>,
+    /// `d` elements: γ.
+    pub weight: E::In<'a, W>,
+    /// The forward's saved means (LayerNorm only, given with `rstd`).
+    pub mean: Option<E::In<'a, f32>>,
+    /// The forward's saved rstd; `None` recomputes the statistics from x.
+    pub rstd: Option<E::In<'a, f32>>,
+    /// `rows × d`, x's dtype: the gradient arriving on the forward's `residual_out` from the rest
+    /// of the network, added into dx in the same pass (`dx = ∂y/∂h·dy + dresidual`, one
+    /// rounding); that dx is the gradient of both x and the residual.
+    pub dresidual: Option<Rows<E::In<'a, H>>>,
+    /// `rows × d` output: the gradient of x.
+    pub dx: Rows<E::Out<'a, T>>,
+    /// `d` elements: dγ, bitwise reproducible on any grid and GPU.
+    pub dweight: E::Out<'a, G>,
+    /// `d` elements: dβ (LayerNorm only).
+    pub dbias: Option<E::Out<'a, G>>,
+    /// At least `rms_norm::workspace_len` (`layer_norm::workspace_len`) f32 for the group
+    /// partials of dγ (and dβ).
+    pub workspace: E::Out<'a, f32>,
+    /// As in the forward: used when the statistics are recomputed.
+    pub eps: f32,
+    /// As in the forward: `dŷ = dy·(γ + offset)`; dγ does not see it.
+    pub weight_offset: f32,
+}
+
+impl<'a, E: Executor, T: Dtype, H: Dtype, W: Dtype, G: Dtype> NormBackward<'a, E, T, H, W, G> {
+    /// `dx` and `dweight` from `dy`, `x` and `weight`, statistics recomputed (until
+    /// [`Self::rstd`] gives the saved ones), eps = [`super::DEFAULT_EPS`].
+    pub fn new(
+        dy: Rows<E::In<'a, T>>,
+        x: Rows<E::In<'a, H>>,
+        weight: E::In<'a, W>,
+        dx: Rows<E::Out<'a, T>>,
+        dweight: E::Out<'a, G>,
+        workspace: E::Out<'a, f32>,
+    ) -> Self {
+        NormBackward {
+            dy,
+            x,
+            weight,
+            mean: None,
+            rstd: None,
+            dresidual: None,
+            dx,
+            dweight,
+            dbias: None,
+            workspace,
+            eps: super::DEFAULT_EPS,
+            weight_offset: 0.0,
+        }
+    }
+
+    /// Sets eps.
+    pub fn eps(self, eps: f32) -> Self {
+        NormBackward { eps, ..self }
+    }
+
+    /// Uses γ as `γ + offset`.
+    pub fn weight_offset(self, weight_offset: f32) -> Self {
+        NormBackward {
+            weight_offset,
+            ..self
+        }
+    }
+
+    /// The forward's saved rstd (RMSNorm).
+    pub fn rstd(self, rstd: E::In<'a, f32>) -> Self {
+        NormBackward {
+            rstd: Some(rstd),
+            ..self
+        }
+    }
+
+    /// The forward's saved statistics (LayerNorm).
+    pub fn mean_rstd(self, mean: E::In<'a, f32>, rstd: E::In<'a, f32>) -> Self {
+        NormBackward {
+            mean: Some(mean),
+            rstd: Some(rstd),
+            ..self
+        }
+    }
+
+    /// Also writes dβ (LayerNorm).
+    pub fn dbias(self, dbias: E::Out<'a, G>) -> Self {
+        NormBackward {
+            dbias: Some(dbias),
+            ..self
+        }
+    }
+
+    /// Adds the gradient arriving on the forward's `residual_out` into dx.
+    pub fn dresidual(self, dresidual: Rows<E::In<'a, H>>) -> Self {
+        NormBackward {
+            dresidual: Some(dresidual),
+            ..self
+        }
+    }
+}
+
+/// f32 elements of workspace a backward of `norm` over `rows × d` needs: one partial row of dγ
+/// per group of rows, and for LayerNorm as many of dβ.
+pub(crate) fn workspace_len(norm: Norm, rows: usize, d: usize) -> Result<usize> {
+    let parameters = if norm == Norm::Layer { 2 } else { 1 };
+    group_layout(rows, d)
+        .1
+        .checked_mul(d)
+        .and_then(|n| n.checked_mul(parameters))
+        .ok_or(Error::TooLarge {
+            what: "workspace (groups × d)",
+            value: d,
+        })
+}
+
+/// A validated backward: addresses and strides; 0 for an absent operand.
+pub(crate) struct Call {
+    pub key: NormKey,
+    pub rows: usize,
+    pub d: usize,
+    pub dy: (u64, usize),
+    pub x: (u64, usize),
+    pub dx: (u64, usize),
+    pub dresidual: (u64, usize),
+    pub weight: u64,
+    pub mean: u64,
+    pub rstd: u64,
+    pub dweight: u64,
+    pub dbias: u64,
+    pub workspace: u64,
+    pub eps: f32,
+    pub weight_offset: f32,
+    /// Weight stored as f32 rather than in the activations' dtype.
+    pub params_f32: bool,
+    /// x (and dresidual) stored as f32 rather than in the activations' dtype.
+    pub x_f32: bool,
+    /// Storage of dγ and dβ.
+    pub grad_dtype: KernelDtype,
+}
+
+/// Runs the backward of `norm` on `exec`.
+pub(crate) fn run<E: Executor, T: Dtype, H: Dtype, W: Dtype, G: Dtype>(
+    norm: Norm,
+    exec: &E,
+    mut args: NormBackward<'_, E, T, H, W, G>,
+) -> Result<()> {
+    let (rows, d) = (args.x.rows, args.x.d);
+    check_config(args.eps, args.weight_offset)?;
+    args.dy.expect_shape("dy", rows, d)?;
+    args.dx.expect_shape("dx", rows, d)?;
+    if let Some(dr) = &args.dresidual {
+        dr.expect_shape("dresidual", rows, d)?;
+    }
+    expect_len("weight", args.weight.elements(), d)?;
+    expect_len("dweight", args.dweight.elements(), d)?;
+    if let Some(db) = &args.dbias {
+        expect_len("dbias", db.elements(), d)?;
+    }
+    for (what, stat) in [("mean", &args.mean), ("rstd", &args.rstd)] {
+        if let Some(s) = stat {
+            expect_len(what, s.elements(), rows)?;
+        }
+    }
+    match norm {
+        Norm::Rms => {
+            let no = "RMSNorm has none";
+            if args.mean.is_some() {
+                return Err(Error::Argument {
+                    what: "mean",
+                    problem: no,
+                });
+            }
+            if args.dbias.is_some() {
+                return Err(Error::Argument {
+                    what: "dbias",
+                    problem: no,
+                });
+            }
+        }
+        Norm::Layer => {
+            if args.mean.is_some() != args.rstd.is_some() {
+                return Err(Error::Argument {
+                    what: "mean/rstd",
+                    problem: "LayerNorm's saved statistics come together: both or neither",
+                });
+            }
+        }
+    }
+    let needed = workspace_len(norm, rows, d)?;
+    if args.workspace.elements() < needed {
+        return Err(Error::WorkspaceTooSmall {
+            needed,
+            actual: args.workspace.elements(),
+        });
+    }
+    let params_f32 = params_f32::<T, W>()?;
+    if !(G::KERNEL == W::KERNEL || G::KERNEL == KernelDtype::F32) {
+        return Err(Error::UnsupportedDtypes {
+            what: "dweight/dbias",
+            dtype: G::KERNEL.name(),
+            activations: T::KERNEL.name(),
+            supported: "parameter gradients must be in the parameters' dtype or f32",
+        });
+    }
+    let x_f32 = stored_f32::<T, H>(
+        "x (residual_out)",
+        "the residual stream must be in the activations' dtype or f32",
+    )?;
+    let (dy, _dy) = exec.input("dy", &args.dy.data)?;
+    let (x, _x) = exec.input("x", &args.x.data)?;
+    let (weight, _weight) = exec.input("weight", &args.weight)?;
+    let (mean, _mean) = optional_input(exec, "mean", args.mean.as_ref())?;
+    let (rstd, _rstd) = optional_input(exec, "rstd", args.rstd.as_ref())?;
+    let dresidual_data = args.dresidual.as_ref().map(|r| &r.data);
+    let (dresidual, _dresidual) = optional_input(exec, "dresidual", dresidual_data)?;
+    let (dx, _dx) = exec.output("dx", &mut args.dx.data)?;
+    let (dweight, _dweight) = exec.output("dweight", &mut args.dweight)?;
+    let (dbias, _dbias) = optional_output(exec, "dbias", args.dbias.as_mut())?;
+    let (workspace, _workspace) = exec.output("workspace", &mut args.workspace)?;
+    let call = Call {
+        key: NormKey {
+            norm,
+            residual: dresidual != 0 || x_f32,
+            dtype: T::KERNEL,
+            vec: false,
+            vpt: 0,
+            cluster: false,
+        },
+        rows,
+        d,
+        dy: (dy, args.dy.stride),
+        x: (x, args.x.stride),
+        dx: (dx, args.dx.stride),
+        dresidual: (dresidual, args.dresidual.as_ref().map_or(0, |r| r.stride)),
+        weight,
+        mean,
+        rstd,
+        dweight,
+        dbias,
+        workspace,
+        eps: args.eps,
+        weight_offset: args.weight_offset,
+        params_f32,
+        x_f32,
+        grad_dtype: G::KERNEL,
+    };
+    let plan = plan(&call, exec.device())?;
+    if let Some(launch) = &plan.rows {
+        exec.launch(launch)?;
+    }
+    exec.launch(&plan.sums)
+}
+
+/// The launches of a backward: the dx + partials kernel (none for no rows), then one
+/// fixed-order column sum for dγ and dβ.
+pub(crate) struct Plan {
+    pub rows: Option<Launch<NormKey, BackwardParams>>,
+    pub sums: Launch<KernelDtype, ColumnSumParams>,
+}
+
+pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
+    let (rows, d, dtype) = (call.rows, call.d, call.key.dtype);
+    let (rows_per_group, groups) = group_layout(rows, d);
+    let partial_bytes = (groups * d * 4) as u64;
+    let dbias_partials = if call.dbias != 0 {
+        call.workspace + partial_bytes
+    } else {
+        0
+    };
+    let mut rows_launch = None;
+    if rows > 0 {
+        let bytes = dtype.bytes();
+        // The workspace takes 16-byte stores on the packed path: it must be aligned like the
+        // rest. Absent operands (dβ partials, dresidual) are 0, which fits packs.
+        let vec = packs_fit(
+            bytes,
+            d,
+            &[
+                call.dy.0,
+                call.x.0,
+                call.dx.0,
+                call.weight,
+                call.workspace,
+                dbias_partials,
+                call.dresidual.0,
+            ],
+            &[
+                call.dy.1,
+                stride_in_elems(call.x.1, call.x_f32, bytes)?,
+                call.dx.1,
+                stride_in_elems(call.dresidual.1, call.x_f32, bytes)?,
+            ],
+        );
+        let params = BackwardParams {
+            x: call.x.0,
+            dy: call.dy.0,
+            gamma: call.weight,
+            mean: call.mean,
+            rstd: call.rstd,
+            dx: call.dx.0,
+            partials: call.workspace,
+            dbeta_partials: dbias_partials,
+            x_stride: call.x.1 as u64,
+            dy_stride: call.dy.1 as u64,
+            dx_stride: call.dx.1 as u64,
+            rows: rows as u32,
+            d: d as u32,
+            rows_per_group: rows_per_group as u32,
+            groups: groups as u32,
+            inv_d: inv(d),
+            gamma_offset: call.weight_offset,
+            eps: call.eps,
+            params_f32: call.params_f32 as u32,
+            x_f32: call.x_f32 as u32,
+            dresidual: call.dresidual.0,
+            dresidual_stride: call.dresidual.1 as u64,
+        };
+        rows_launch = Some(
+            RowLaunch {
+                table: &BACKWARD,
+                key: NormKey { vec, ..call.key },
+                d,
+                // The backward's parallelism is its dγ groups (at most 512, 64 at 1024 rows),
+                // and its streaming instance re-reads the partial rows: clusters whenever a row
+                // needs them.
+                work: groups,
+                clusters: true,
+                params,
+            }
+            .plan(device, |_| false)?,
+        );
+    }
+    let dbias = (call.dbias != 0).then_some((dbias_partials, call.dbias));
+    let sums = column_sum(
+        device,
+        call.grad_dtype,
+        (call.workspace, call.dweight),
+        dbias,
+        groups,
+        d,
+    )?;
+    Ok(Plan {
+        rows: rows_launch,
+        sums,
+    })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::plan::tests::FakeH200;
+    use normkern_gpu::column_sum::COLUMN_SUM_THREADS;
+    use normkern_gpu::reduce::ROW_REDUCER_SHARED_WORDS;
+
+    /// Registers per thread of the bf16 kernels (ptxas, sm_90).
+    pub(crate) fn registers(name: &str) -> usize {
+        let tile = name.rsplit('_').next().unwrap_or("");
+        let backward = name.contains("_bwd");
+        match (backward, tile) {
+            _ if name.starts_with("column_sum") => 32,
+            (true, "v1" | "v1c" | "s1") => 80,
+            (true, "v2" | "s2") => 124,
+            (true, "v2c") => 159,
+            (true, "v4" | "s4") => 235,
+            (true, "v4c") => 254,
+            (true, _) => 79,
+            (false, "v1" | "v1c" | "s1") => 43,
+            (false, "v2" | "v2c" | "s2") => 64,
+            (false, "v4" | "v4c" | "s4") => 128,
+            (false, _) => 48,
+        }
+    }
+
+    pub(crate) const H200: FakeH200 = FakeH200 {
+        registers,
+        grid_limit: None,
+    };
+
+    /// A backward of `norm` over dense, 16-byte aligned bf16 rows.
+    fn call(norm: Norm, rows: usize, d: usize) -> Call {
+        let buffer = 1 << 20;
+        Call {
+            key: NormKey {
+                norm,
+                residual: false,
+                dtype: KernelDtype::Bf16,
+                vec: false,
+                vpt: 0,
+                cluster: false,
+            },
+            rows,
+            d,
+            dy: (buffer, d),
+            x: (2 * buffer, d),
+            dx: (3 * buffer, d),
+            dresidual: (0, 0),
+            weight: 4 * buffer,
+            mean: 5 * buffer,
+            rstd: 6 * buffer,
+            dweight: 7 * buffer,
+            dbias: if norm == Norm::Layer { 8 * buffer } else { 0 },
+            workspace: 9 * buffer,
+            eps: 1e-5,
+            weight_offset: 0.0,
+            params_f32: false,
+            x_f32: false,
+            grad_dtype: KernelDtype::Bf16,
+        }
+    }
+
+    #[test]
+    fn a_row_that_fits_a_block_takes_the_preferred_block_and_even_rounds() {
+        let plan = plan(&call(Norm::Rms, 16384, 4096), &H200).unwrap();
+        let rows = plan.rows.unwrap();
+        assert_eq!(rows.kernel.name, "rms_norm_bwd_bf16_v2");
+        assert_eq!((rows.block, rows.cluster), (256, 1));
+        assert_eq!(rows.shared_bytes, ROW_REDUCER_SHARED_WORDS * 4);
+        // 512 groups of 32 rows; two blocks of 124 registers per SM: 264 resident, so two rounds
+        // of 256 blocks.
+        assert_eq!((rows.params.groups, rows.params.rows_per_group), (512, 32));
+        assert_eq!(rows.grid, 256);
+        // dγ's column sum: 128 slabs of 32 columns, one column per thread at this width.
+        assert_eq!(plan.sums.kernel.name, "column_sum_bf16");
+        assert_eq!((plan.sums.block, plan.sums.grid), (COLUMN_SUM_THREADS, 128));
+        assert_eq!(
+            (plan.sums.params.columns, plan.sums.params.partials2),
+            (1, 0)
+        );
+    }
+
+    #[test]
+    fn wide_rows_are_split_over_clusters_and_staged() {
+        let plan = plan(&call(Norm::Layer, 1024, 65536), &H200).unwrap();
+        let rows = plan.rows.unwrap();
+        assert_eq!(rows.kernel.name, "layer_norm_bwd_bf16_v4c");
+        assert_eq!((rows.block, rows.cluster), (256, 8));
+        // The staged ring needs more than the default 48 KiB: the kernel opts in.
+        assert!(rows.kernel.large_shared && rows.shared_bytes > 48 * 1024);
+        // 15 groups of 69 rows, one round over 15 clusters.
+        assert_eq!((rows.params.groups, rows.grid), (15, 120));
+        // dγ and dβ in one column-sum launch, four columns per thread.
+        assert_ne!(plan.sums.params.partials2, 0);
+        assert_eq!(plan.sums.params.columns, 4);
+    }
+
+    #[test]
+    fn unaligned_rows_take_single_element_access() {
+        // d not a multiple of the pack: 4 elements × 256 threads cover a row of 1001.
+        let rows = plan(&call(Norm::Rms, 100, 1001), &H200)
+            .unwrap()
+            .rows
+            .unwrap();
+        assert!(!rows.kernel.key.vec);
+        assert_eq!(
+            (rows.kernel.name, rows.block),
+            ("rms_norm_bwd_bf16_s4", 256)
+        );
+        // x off 16-byte alignment at d = 4096: too wide for single-element register tiles, and
+        // there are no single-element cluster kernels: one block streams the row.
+        let mut c = call(Norm::Rms, 100, 4096);
+        c.x.0 += 2;
+        let rows = plan(&c, &H200).unwrap().rows.unwrap();
+        assert_eq!(
+            (rows.kernel.name, rows.block),
+            ("rms_norm_bwd_bf16_sx", 800)
+        );
+        // The fp32 residual stream takes the residual kernels, which stream single elements.
+        let mut c = call(Norm::Rms, 100, 4095);
+        (c.key.residual, c.x_f32) = (true, true);
+        let rows = plan(&c, &H200).unwrap().rows.unwrap();
+        assert_eq!(rows.kernel.name, "rms_norm_bwd_res_bf16_sx");
+    }
+
+    #[test]
+    fn no_rows_launch_only_the_column_sum_of_zero_groups() {
+        let plan = plan(&call(Norm::Layer, 0, 4096), &H200).unwrap();
+        assert!(plan.rows.is_none());
+        assert_eq!(plan.sums.params.groups, 0);
+    }
+
+    #[test]
+    fn grids_follow_the_grid_limit() {
+        let limited = FakeH200 {
+            registers,
+            grid_limit: Some(3),
+        };
+        let plan = plan(&call(Norm::Rms, 16384, 4096), &limited).unwrap();
+        assert_eq!(plan.rows.unwrap().grid, 3);
+        // A limit below one cluster still launches one whole cluster.
+        let wide = super::plan(&call(Norm::Rms, 64, 65536), &limited).unwrap();
+        assert_eq!(wide.rows.unwrap().grid, 8);
+    }
+
+    /// The staged cluster backward (4 rows of x and dy in flight, LayerNorm's γ besides) needs
+    /// more than the default 48 KiB: it gets the device's opt-in limit, and a device with less
+    /// gets fewer threads per block rather than a failed launch.
+    #[test]
+    fn staged_blocks_fit_the_opt_in_shared_memory() {
+        use crate::plan::threads_within_shared;
+        let key = |vpt, cluster, residual| NormKey {
+            norm: Norm::Layer,
+            residual,
+            dtype: KernelDtype::Bf16,
+            vec: true,
+            vpt,
+            cluster,
+        };
+        let staged = BACKWARD.find(&key(4, true, false)).unwrap();
+        assert!(staged.large_shared);
+        assert!((staged.shared_bytes)(256) > 48 * 1024);
+        let within = |k: &Kernel<_, _>, opt_in| {
+            threads_within_shared(k.large_shared, k.shared_bytes, opt_in)
+        };
+        assert_eq!(within(staged, 227 * 1024), 352);
+        assert_eq!(within(staged, 99 * 1024), 128);
+        // Block instances and residual instances keep within 48 KiB whatever the device offers.
+        for k in [key(4, false, false), key(4, true, true)] {
+            let kernel = BACKWARD.find(&k).unwrap();
+            assert!(!kernel.large_shared);
+            let threads = within(kernel, 227 * 1024);
+            assert!((kernel.shared_bytes)(threads) <= 48 * 1024, "{k:?}");
+        }
+    }
+
+    #[test]
+    fn group_layouts_depend_on_the_shape_only() {
+        assert_eq!(group_layout(16384, 4096), (32, 512));
+        assert_eq!(group_layout(1024, 65536), (69, 15));
+        assert_eq!(group_layout(64, 1 << 20), (5, 13));
+        assert_eq!(group_layout(3, 1 << 20), (4, 1));
+        assert_eq!(group_layout(0, 4096), (16, 0));
+        assert_eq!(workspace_len(Norm::Layer, 16384, 4096), Ok(2 * 512 * 4096));
+    }
+}

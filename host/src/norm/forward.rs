@@ -1,0 +1,366 @@
+//! The norm forward: its arguments, validation and launch plan.
+
+use normkern_gpu::norm::{FORWARD, ForwardParams, Norm, NormKey, forward_prefetches};
+
+use super::{RowLaunch, check_config, inv, params_f32, stored_f32, stride_in_elems};
+use crate::error::{Error, Result};
+use crate::executor::{Device, Executor, Launch, optional_input, optional_output};
+use crate::plan::packs_fit;
+use crate::tensor::{Buffer, Dtype, Rows, expect_len};
+
+/// The arguments of a norm forward ([`crate::rms_norm::forward`], [`crate::layer_norm::forward`]):
+/// `x` and `y` in the activations' dtype `T`, `weight` (and `bias`) in `T` or f32.
+///
+/// Build it with [`NormForward::new`] and the optional parts' methods, or as a struct literal.
+#[must_use = "the arguments do nothing until passed to rms_norm::forward or layer_norm::forward"]
+pub struct NormForward<'a, E: Executor, T: Dtype, W: Dtype = T, R: Dtype = T, H: Dtype = T> {
+    /// `rows × d` input rows.
+    pub x: Rows<E::In<'a, T>>,
+    /// `d` elements: γ.
+    pub weight: E::In<'a, W>,
+    /// `d` elements: β (LayerNorm only; `None` for none).
+    pub bias: Option<E::In<'a, W>>,
+    /// `rows × d` output rows, x's shape, their own stride.
+    pub y: Rows<E::Out<'a, T>>,
+    /// One f32 per row: the mean, for the backward (LayerNorm only).
+    pub mean: Option<E::Out<'a, f32>>,
+    /// One f32 per row: `1/sqrt(var + eps)` (the mean square for RMSNorm), for the backward.
+    pub rstd: Option<E::Out<'a, f32>>,
+    /// The residual add of a pre-norm block, fused in: see [`ResidualAdd`].
+    pub residual: Option<ResidualAdd<'a, E, R, H>>,
+    /// Added to the variance before the square root: finite, > 0. Default [`super::DEFAULT_EPS`].
+    pub eps: f32,
+    /// Added to γ in fp32 before use: `y = x̂·(γ + offset)` (Gemma stores γ − 1 and uses 1). dγ is
+    /// unaffected. Finite; default 0.
+    pub weight_offset: f32,
+}
+
+/// The residual add of a pre-norm block, fused into the forward: `h = x + residual` (an fp32
+/// sum, rounded once) is written to `residual_out`, and the forward normalizes h *as stored* in
+/// `residual_out`'s dtype, so a backward given `residual_out` as its x differentiates exactly the
+/// row that was normalized. Both have x's shape and their own strides, and each is in x's dtype or
+/// f32 (an fp32 residual stream next to bf16 activations). Neither may overlap another operand:
+/// for an in-place residual stream, alternate two buffers.
+pub struct ResidualAdd<'a, E: Executor, R: Dtype, H: Dtype> {
+    pub residual: Rows<E::In<'a, R>>,
+    pub residual_out: Rows<E::Out<'a, H>>,
+}
+
+impl<'a, E: Executor, T: Dtype, W: Dtype> NormForward<'a, E, T, W> {
+    /// `y = norm(x)·weight` with eps = [`super::DEFAULT_EPS`], no bias, no saved statistics.
+    pub fn new(x: Rows<E::In<'a, T>>, weight: E::In<'a, W>, y: Rows<E::Out<'a, T>>) -> Self {
+        NormForward {
+            x,
+            weight,
+            bias: None,
+            y,
+            mean: None,
+            rstd: None,
+            residual: None,
+            eps: super::DEFAULT_EPS,
+            weight_offset: 0.0,
+        }
+    }
+}
+
+impl<'a, E: Executor, T: Dtype, W: Dtype, R: Dtype, H: Dtype> NormForward<'a, E, T, W, R, H> {
+    /// Sets eps.
+    pub fn eps(self, eps: f32) -> Self {
+        NormForward { eps, ..self }
+    }
+
+    /// Uses γ as `γ + offset`.
+    pub fn weight_offset(self, weight_offset: f32) -> Self {
+        NormForward {
+            weight_offset,
+            ..self
+        }
+    }
+
+    /// Adds β (LayerNorm only).
+    pub fn bias(self, bias: E::In<'a, W>) -> Self {
+        NormForward {
+            bias: Some(bias),
+            ..self
+        }
+    }
+
+    /// Saves each row's mean (LayerNorm only).
+    pub fn mean(self, mean: E::Out<'a, f32>) -> Self {
+        NormForward {
+            mean: Some(mean),
+            ..self
+        }
+    }
+
+    /// Saves each row's rstd.
+    pub fn rstd(self, rstd: E::Out<'a, f32>) -> Self {
+        NormForward {
+            rstd: Some(rstd),
+            ..self
+        }
+    }
+
+    /// Fuses the residual add in: see [`ResidualAdd`].
+    pub fn residual<R2: Dtype, H2: Dtype>(
+        self,
+        residual: Rows<E::In<'a, R2>>,
+        residual_out: Rows<E::Out<'a, H2>>,
+    ) -> NormForward<'a, E, T, W, R2, H2> {
+        NormForward {
+            x: self.x,
+            weight: self.weight,
+            bias: self.bias,
+            y: self.y,
+            mean: self.mean,
+            rstd: self.rstd,
+            residual: Some(ResidualAdd {
+                residual,
+                residual_out,
+            }),
+            eps: self.eps,
+            weight_offset: self.weight_offset,
+        }
+    }
+}
+
+/// A validated forward: addresses (host or device) and row strides of every operand; 0 for an
+/// operand that is absent.
+pub(crate) struct Call {
+    pub key: NormKey,
+    pub rows: usize,
+    pub d: usize,
+    pub x: (u64, usize),
+    pub y: (u64, usize),
+    pub weight: u64,
+    pub bias: u64,
+    pub mean: u64,
+    pub rstd: u64,
+    pub eps: f32,
+    pub weight_offset: f32,
+    /// Weight and bias stored as f32 rather than in the activations' dtype.
+    pub params_f32: bool,
+    /// The residual operands: `(address, stride, stored as f32)` of `residual` and `residual_out`.
+    pub residual: Option<[(u64, usize, bool); 2]>,
+}
+
+/// Runs the forward of `norm` on `exec`.
+pub(crate) fn run<E: Executor, T: Dtype, W: Dtype, R: Dtype, H: Dtype>(
+    norm: Norm,
+    exec: &E,
+    mut args: NormForward<'_, E, T, W, R, H>,
+) -> Result<()> {
+    let (rows, d) = (args.x.rows, args.x.d);
+    check_config(args.eps, args.weight_offset)?;
+    args.y.expect_shape("y", rows, d)?;
+    expect_len("weight", args.weight.elements(), d)?;
+    if let Some(b) = &args.bias {
+        expect_len("bias", b.elements(), d)?;
+    }
+    for (what, stat) in [("mean", &args.mean), ("rstd", &args.rstd)] {
+        if let Some(s) = stat {
+            expect_len(what, s.elements(), rows)?;
+        }
+    }
+    if norm == Norm::Rms {
+        let no = "RMSNorm has none";
+        if args.bias.is_some() {
+            return Err(Error::Argument {
+                what: "bias",
+                problem: no,
+            });
+        }
+        if args.mean.is_some() {
+            return Err(Error::Argument {
+                what: "mean",
+                problem: no,
+            });
+        }
+    }
+    let params_f32 = params_f32::<T, W>()?;
+    let residual_f32 = match &args.residual {
+        Some(r) => {
+            r.residual.expect_shape("residual", rows, d)?;
+            r.residual_out.expect_shape("residual_out", rows, d)?;
+            let supported = "residual rows must be in the activations' dtype or f32";
+            Some((
+                stored_f32::<T, R>("residual", supported)?,
+                stored_f32::<T, H>("residual_out", supported)?,
+            ))
+        }
+        None => None,
+    };
+    let (x, _x) = exec.input("x", &args.x.data)?;
+    let (weight, _weight) = exec.input("weight", &args.weight)?;
+    let (bias, _bias) = optional_input(exec, "bias", args.bias.as_ref())?;
+    let (y, _y) = exec.output("y", &mut args.y.data)?;
+    let (mean, _mean) = optional_output(exec, "mean", args.mean.as_mut())?;
+    let (rstd, _rstd) = optional_output(exec, "rstd", args.rstd.as_mut())?;
+    let mut residual_guards = None;
+    let mut residual = None;
+    if let (Some(r), Some((in_f32, out_f32))) = (args.residual.as_mut(), residual_f32) {
+        let (input, input_guard) = exec.input("residual", &r.residual.data)?;
+        let out_stride = r.residual_out.stride;
+        let (output, output_guard) = exec.output("residual_out", &mut r.residual_out.data)?;
+        residual = Some([
+            (input, r.residual.stride, in_f32),
+            (output, out_stride, out_f32),
+        ]);
+        residual_guards = Some((input_guard, output_guard));
+    }
+    let call = Call {
+        key: NormKey {
+            norm,
+            residual: residual.is_some(),
+            dtype: T::KERNEL,
+            vec: false,
+            vpt: 0,
+            cluster: false,
+        },
+        rows,
+        d,
+        x: (x, args.x.stride),
+        y: (y, args.y.stride),
+        weight,
+        bias,
+        mean,
+        rstd,
+        eps: args.eps,
+        weight_offset: args.weight_offset,
+        params_f32,
+        residual,
+    };
+    if let Some(launch) = plan(&call, exec.device())? {
+        exec.launch(&launch)?;
+    }
+    drop(residual_guards);
+    Ok(())
+}
+
+/// The launch of a forward: one row kernel, or none for no rows.
+pub(crate) fn plan(
+    call: &Call,
+    device: &dyn Device,
+) -> Result<Option<Launch<NormKey, ForwardParams>>> {
+    let (rows, d, dtype) = (call.rows, call.d, call.key.dtype);
+    if rows == 0 {
+        return Ok(None);
+    }
+    let bytes = dtype.bytes();
+    // Absent operands are 0, which fits packs; f32 residual strides count in 16-byte units too.
+    let [r_in, r_out] = call.residual.unwrap_or([(0, 0, false); 2]);
+    let vec = packs_fit(
+        bytes,
+        d,
+        &[call.x.0, call.y.0, call.weight, call.bias, r_in.0, r_out.0],
+        &[
+            call.x.1,
+            call.y.1,
+            stride_in_elems(r_in.1, r_in.2, bytes)?,
+            stride_in_elems(r_out.1, r_out.2, bytes)?,
+        ],
+    );
+    let params = ForwardParams {
+        x: call.x.0,
+        y: call.y.0,
+        gamma: call.weight,
+        beta: call.bias,
+        mean: call.mean,
+        rstd: call.rstd,
+        x_stride: call.x.1 as u64,
+        y_stride: call.y.1 as u64,
+        rows: rows as u32,
+        d: d as u32,
+        eps: call.eps,
+        inv_d: inv(d),
+        gamma_offset: call.weight_offset,
+        params_f32: call.params_f32 as u32,
+        residual: r_in.0,
+        residual_out: r_out.0,
+        residual_stride: r_in.1 as u64,
+        residual_out_stride: r_out.1 as u64,
+        residual_f32: r_in.2 as u32,
+        residual_out_f32: r_out.2 as u32,
+    };
+    let key = NormKey { vec, ..call.key };
+    let centered = key.norm == Norm::Layer;
+    let launch = RowLaunch {
+        table: &FORWARD,
+        key,
+        d,
+        work: rows,
+        // Forward rows are independent: with a row per SM or more, a block per row streaming
+        // from L2 outruns a cluster per row.
+        clusters: rows < device.sm_count(),
+        params,
+    }
+    .plan(device, |vpt| {
+        forward_prefetches(centered, key.residual, vpt)
+    })?;
+    Ok(Some(launch))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use normkern_gpu::kernel::Dtype as KernelDtype;
+
+    use crate::norm::backward::tests::H200;
+
+    /// A forward of `norm` over dense, 16-byte aligned bf16 rows.
+    fn call(norm: Norm, rows: usize, d: usize) -> Call {
+        let buffer = 1 << 20;
+        Call {
+            key: NormKey {
+                norm,
+                residual: false,
+                dtype: KernelDtype::Bf16,
+                vec: false,
+                vpt: 0,
+                cluster: false,
+            },
+            rows,
+            d,
+            x: (buffer, d),
+            y: (2 * buffer, d),
+            weight: 3 * buffer,
+            bias: 0,
+            mean: 0,
+            rstd: 4 * buffer,
+            eps: 1e-5,
+            weight_offset: 0.0,
+            params_f32: false,
+            residual: None,
+        }
+    }
+
+    #[test]
+    fn rows_past_the_preferred_block_take_a_tile_that_prefetches() {
+        let rms = plan(&call(Norm::Rms, 4096, 16384), &H200).unwrap().unwrap();
+        assert_eq!((rms.kernel.name, rms.block), ("rms_norm_fwd_bf16_v4", 512));
+        let layer = plan(&call(Norm::Layer, 16384, 4096), &H200)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (layer.kernel.name, layer.block),
+            ("layer_norm_fwd_bf16_v2", 256)
+        );
+    }
+
+    #[test]
+    fn few_wide_rows_are_split_over_clusters_many_are_not() {
+        let few = plan(&call(Norm::Rms, 64, 65536), &H200).unwrap().unwrap();
+        let tile = (few.kernel.name, few.block, few.cluster);
+        assert_eq!(tile, ("rms_norm_fwd_bf16_v4c", 256, 8));
+        let many = plan(&call(Norm::Rms, 1024, 65536), &H200).unwrap().unwrap();
+        assert_eq!(
+            (many.kernel.name, many.cluster),
+            ("rms_norm_fwd_bf16_vx", 1)
+        );
+    }
+
+    #[test]
+    fn no_rows_launch_nothing() {
+        assert!(plan(&call(Norm::Rms, 0, 4096), &H200).unwrap().is_none());
+    }
+}

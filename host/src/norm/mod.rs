@@ -1,0 +1,168 @@
+//! What RMSNorm and LayerNorm share on the host: their arguments ([`NormForward`],
+//! [`NormBackward`]), validation and launch plans, over the shared kernel bodies of
+//! `normkern_gpu::norm`. The public functions are [`crate::rms_norm`]'s and [`crate::layer_norm`]'s.
+
+pub(crate) mod backward;
+pub(crate) mod forward;
+
+pub use backward::NormBackward;
+pub use forward::{NormForward, ResidualAdd};
+
+use normkern_gpu::kernel::{Dtype as KernelDtype, Kernel, Table};
+use normkern_gpu::norm::{NormKey, STREAM};
+
+use crate::error::{Error, Result};
+use crate::executor::{Device, Launch};
+use crate::plan::{RowTile, persistent_grid, row_tile, threads_within_shared};
+use crate::tensor::Dtype;
+
+/// eps as PyTorch's LayerNorm defaults it.
+pub const DEFAULT_EPS: f32 = 1e-5;
+
+/// eps finite and > 0; the weight offset finite.
+pub(crate) fn check_config(eps: f32, weight_offset: f32) -> Result<()> {
+    if !(eps.is_finite() && eps > 0.0) {
+        return Err(Error::Eps(eps));
+    }
+    if !weight_offset.is_finite() {
+        return Err(Error::GammaOffset(weight_offset));
+    }
+    Ok(())
+}
+
+/// Whether an operand stored as `S` next to activations stored as `T` is stored as f32 rather
+/// than in `T`; any other `S` is an [`Error::UnsupportedDtypes`].
+pub(crate) fn stored_f32<T: Dtype, S: Dtype>(
+    what: &'static str,
+    supported: &'static str,
+) -> Result<bool> {
+    if S::KERNEL == T::KERNEL {
+        Ok(false)
+    } else if S::KERNEL == KernelDtype::F32 {
+        Ok(true)
+    } else {
+        Err(Error::UnsupportedDtypes {
+            what,
+            dtype: S::KERNEL.name(),
+            activations: T::KERNEL.name(),
+            supported,
+        })
+    }
+}
+
+/// Whether the weight and bias, stored as `W` next to activations stored as `T`, are f32
+/// parameters (mixed precision). Supported: `W == T`, or `W == f32`.
+pub(crate) fn params_f32<T: Dtype, W: Dtype>() -> Result<bool> {
+    stored_f32::<T, W>(
+        "weight/bias",
+        "parameters must be in the activations' dtype or f32",
+    )
+}
+
+/// A row stride in elements of the activations' dtype (`elem_bytes`), as
+/// [`crate::plan::packs_fit`] counts them: an f32 row's stride scaled by `4 / elem_bytes`, so the
+/// test "a multiple of the pack" becomes "a multiple of 16 bytes" for it too.
+pub(crate) fn stride_in_elems(stride: usize, f32: bool, elem_bytes: usize) -> Result<usize> {
+    if !f32 {
+        return Ok(stride);
+    }
+    stride.checked_mul(4 / elem_bytes).ok_or(Error::TooLarge {
+        what: "row stride (in bytes)",
+        value: stride,
+    })
+}
+
+/// `1/d`, rounded once.
+pub(crate) fn inv(d: usize) -> f32 {
+    (1.0f64 / d as f64) as f32
+}
+
+/// A row kernel of one of the norm tables to launch: its key but for the tile, which the plan
+/// picks for the row.
+pub(crate) struct RowLaunch<P: 'static> {
+    pub table: &'static Table<NormKey, P>,
+    /// The kernel's key; its tile (`vpt`, `cluster`) is chosen here.
+    pub key: NormKey,
+    pub d: usize,
+    /// Items the teams walk: rows, or groups of rows.
+    pub work: usize,
+    /// Whether a row may be split over the blocks of a cluster.
+    pub clusters: bool,
+    pub params: P,
+}
+
+impl<P: Copy> RowLaunch<P> {
+    /// The tile for a row of `d` elements among the compiled ones, and a persistent grid over the
+    /// work items. `prefetches(vpt)`: whether that register tile keeps the next row in flight.
+    pub(crate) fn plan(
+        self,
+        device: &dyn Device,
+        prefetches: impl Fn(usize) -> bool,
+    ) -> Result<Launch<NormKey, P>> {
+        let base = self.key;
+        let kernel = |vpt: usize, cluster: bool| {
+            self.table.find(&NormKey {
+                vpt,
+                cluster,
+                ..base
+            })
+        };
+        // The compiled register tiles of this key, ascending.
+        let mut register_tiles = [0usize; 8];
+        let mut tiles = 0;
+        for k in self.table.iter() {
+            let block_tile = NormKey {
+                vpt: k.key.vpt,
+                cluster: false,
+                ..base
+            };
+            if k.key == block_tile && k.key.vpt != STREAM && tiles < register_tiles.len() {
+                register_tiles[tiles] = k.key.vpt;
+                tiles += 1;
+            }
+        }
+        register_tiles[..tiles].sort_unstable();
+        let limit = |k: &'static Kernel<NormKey, P>| -> Result<usize> {
+            let shared =
+                threads_within_shared(k.large_shared, k.shared_bytes, device.shared_opt_in());
+            Ok(device.max_threads(k.entry())?.min(shared))
+        };
+        let len = if base.vec { 16 / base.dtype.bytes() } else { 1 };
+        let max_cluster = if self.clusters {
+            device.max_cluster()
+        } else {
+            1
+        };
+        let RowTile {
+            vpt,
+            threads,
+            cluster,
+        } = row_tile(
+            self.d,
+            len,
+            &register_tiles[..tiles],
+            max_cluster,
+            |vpt, cluster| kernel(vpt, cluster).map(limit).transpose(),
+            prefetches,
+        )?;
+        let kernel =
+            kernel(vpt, cluster > 1).ok_or(Error::Internal("the chosen tile is not compiled"))?;
+        let shared_bytes = (kernel.shared_bytes)(threads);
+        let grid = persistent_grid(
+            device,
+            kernel.entry(),
+            self.work,
+            threads,
+            cluster,
+            shared_bytes,
+        )?;
+        Ok(Launch {
+            kernel,
+            grid,
+            block: threads,
+            cluster,
+            shared_bytes,
+            params: self.params,
+        })
+    }
+}

@@ -1,0 +1,389 @@
+//! What the launch plans of every op share: how a row is tiled over a block or a cluster, how big
+//! a persistent grid is, when 16-byte packs serve, and the column-sum launch of the parameter
+//! gradients. Each op's plan (`norm::forward::plan`, …) is a pure function of the call and the
+//! [`Device`]; these are its pieces.
+
+use normkern_gpu::column_sum::{self, COLUMN_SUM_THREADS, COLUMN_SUM_VECTOR, ColumnSumParams};
+use normkern_gpu::kernel::{Dtype, Entry};
+use normkern_gpu::norm::STREAM;
+
+use crate::error::{Error, Result};
+use crate::executor::{Device, Launch};
+
+/// A persistent grid for `work` items (rows or groups), each taken by a cluster of `cluster`
+/// blocks (1: by a block): never more clusters than items, and no more than the fewest that
+/// still walk the items in the same number of rounds, so every cluster takes the same count
+/// (±1) and none is left alone on a last, nearly empty round. Returns the grid in blocks. A
+/// grid limit below one cluster still launches one.
+pub(crate) fn persistent_grid(
+    device: &dyn Device,
+    kernel: Entry,
+    work: usize,
+    block: usize,
+    cluster: usize,
+    shared_bytes: usize,
+) -> Result<usize> {
+    let resident = if cluster == 1 {
+        device.resident_blocks(kernel, block, shared_bytes)?
+    } else {
+        device.resident_clusters(kernel, block, cluster, shared_bytes)?
+    };
+    let limit = device
+        .grid_limit()
+        .map_or(usize::MAX, |blocks| blocks / cluster);
+    Ok(balanced_teams(work, resident.min(limit)) * cluster)
+}
+
+/// One block per tile of work (elementwise kernels), unless the user set a lower limit.
+pub(crate) fn full_grid(device: &dyn Device, tiles: usize) -> usize {
+    tiles.min(device.grid_limit().unwrap_or(usize::MAX)).max(1)
+}
+
+/// Teams (blocks or clusters) for `work` items when at most `most` may run: as few as walk the
+/// items in the fewest rounds. 16384 rows over 528 resident blocks take 32 rounds either way, but
+/// 528 blocks leave 512 of them idle for the last; 512 blocks take 32 rows each.
+fn balanced_teams(work: usize, most: usize) -> usize {
+    let rounds = work.div_ceil(most.max(1)).max(1);
+    work.div_ceil(rounds).max(1)
+}
+
+/// Threads a block prefers when the row fits in registers: enough warps per block to keep several
+/// blocks resident per SM and the per-row reduction short.
+const PREFERRED_THREADS: usize = 256;
+
+/// Blocks per cluster the row tiles try, smallest first: each halves the block's share of a row.
+const CLUSTER_SIZES: [usize; 3] = [2, 4, 8];
+/// Most threads per block of a streaming instance: a cluster of such blocks shares a row.
+const STREAM_THREADS: usize = 1024;
+
+/// How one row is spread over a block, or over a cluster of `cluster` blocks: `vpt` accesses per
+/// thread (or [`STREAM`]) and the block size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RowTile {
+    pub vpt: usize,
+    pub threads: usize,
+    pub cluster: usize,
+}
+
+/// Picks the tile for a row of `d` elements read `len` at a time among the compiled register
+/// tiles `register_tiles` (ascending) and the streaming one. `max_threads(vpt, cluster)` is the
+/// most threads a block of that kernel may have, or `None` when no such kernel is compiled. In
+/// order: one block of up to [`PREFERRED_THREADS`]; one block of up to the kernel's limit, tiles
+/// that `prefetch` the next row first; the smallest cluster (up to `max_cluster` blocks) whose
+/// blocks need at most [`PREFERRED_THREADS`] (fewest accesses per thread first), then at most the
+/// kernel's limit; else streaming, by a cluster of `max_cluster` blocks. The choice depends on the
+/// shape, the device and the kernels' register counts only, never on the grid, so reductions keep
+/// their order.
+pub(crate) fn row_tile(
+    d: usize,
+    len: usize,
+    register_tiles: &[usize],
+    max_cluster: usize,
+    max_threads: impl Fn(usize, bool) -> Result<Option<usize>>,
+    prefetches: impl Fn(usize) -> bool,
+) -> Result<RowTile> {
+    let accesses = d.div_ceil(len);
+    let threads_for = |vpt: usize, cluster: usize| {
+        accesses
+            .div_ceil(vpt * cluster)
+            .next_multiple_of(32)
+            .max(32)
+    };
+    let clusters = CLUSTER_SIZES.into_iter().filter(|&c| c <= max_cluster);
+    // (vpt, cluster, within the preferred size), in order of preference.
+    // Past the preferred size a block fills the SM alone: the tiles that keep the next row in
+    // flight first (a block that waits for its row with nothing else to do idles the SM).
+    let prefetches = &prefetches;
+    let larger_blocks = [true, false].into_iter().flat_map(|prefetching| {
+        (register_tiles.iter().skip(1))
+            .filter(move |&&vpt| prefetches(vpt) == prefetching)
+            .map(|&vpt| (vpt, 1, false))
+    });
+    let one_block = (register_tiles.iter().map(|&vpt| (vpt, 1, true))).chain(larger_blocks);
+    let clustered = [true, false].into_iter().flat_map(|preferred| {
+        (clusters.clone()).flat_map(move |cluster| {
+            register_tiles
+                .iter()
+                .map(move |&vpt| (vpt, cluster, preferred))
+        })
+    });
+    for (vpt, cluster, preferred) in one_block.chain(clustered) {
+        let Some(max) = max_threads(vpt, cluster > 1)? else {
+            continue;
+        };
+        let threads = threads_for(vpt, cluster);
+        let max = max.min(1024);
+        let limit = if preferred {
+            PREFERRED_THREADS.min(max)
+        } else {
+            max
+        };
+        if threads <= limit {
+            return Ok(RowTile {
+                vpt,
+                threads,
+                cluster,
+            });
+        }
+    }
+    // Streaming: over the widest cluster there is, else one block.
+    for cluster in [max_cluster.clamp(1, 8), 1] {
+        if let Some(max) = max_threads(STREAM, cluster > 1)? {
+            let threads = threads_for(1, cluster).min(max.min(STREAM_THREADS) / 32 * 32);
+            return Ok(RowTile {
+                vpt: STREAM,
+                threads,
+                cluster,
+            });
+        }
+    }
+    Err(Error::Internal(
+        "the kernel table has no streaming kernel for this row",
+    ))
+}
+
+/// Dynamic shared memory every kernel may use without opting in.
+pub(crate) const DEFAULT_SHARED_BYTES: usize = 48 * 1024;
+
+/// The most threads (a multiple of 32, at most 1024; 0 for none) a block of `kernel` may have
+/// within its dynamic shared memory `shared_bytes(threads)`: the default 48 KiB, or for kernels
+/// that may need more the device's opt-in limit `opt_in`.
+pub(crate) fn threads_within_shared(
+    large_shared: bool,
+    shared_bytes: fn(usize) -> usize,
+    opt_in: usize,
+) -> usize {
+    let limit = if large_shared {
+        opt_in
+    } else {
+        DEFAULT_SHARED_BYTES
+    };
+    (32..=1024)
+        .step_by(32)
+        .take_while(|&threads| shared_bytes(threads) <= limit)
+        .last()
+        .unwrap_or(0)
+}
+
+/// Whether 16-byte packs of `16 / elem_bytes` elements can serve every operand: each base address
+/// 16-byte aligned, every stride and `d` a multiple of the pack. An absent operand may be passed
+/// as address and stride 0.
+pub(crate) fn packs_fit(elem_bytes: usize, d: usize, addrs: &[u64], strides: &[usize]) -> bool {
+    let len = 16 / elem_bytes;
+    d % len == 0 && addrs.iter().all(|a| a % 16 == 0) && strides.iter().all(|s| s % len == 0)
+}
+
+/// Narrowest rows whose column sums take four columns per thread: 128 slabs of 128 columns, about
+/// one per SM. Narrower rows keep more, narrower slabs.
+const VECTOR_COLUMN_SUM_MIN_D: usize = 16384;
+
+/// The second pass of every deterministic parameter gradient (dγ, dβ, dbias): sums the
+/// `[groups, d]` fp32 partials at `partials` in a fixed order into `d` elements of `dtype` at
+/// `out`, and in the same launch those of `second` (dβ's, next to dγ's) if any. With
+/// `groups == 0` it writes zeros (the gradient over no rows).
+pub(crate) fn column_sum(
+    device: &dyn Device,
+    dtype: Dtype,
+    (partials, out): (u64, u64),
+    second: Option<(u64, u64)>,
+    groups: usize,
+    d: usize,
+) -> Result<Launch<Dtype, ColumnSumParams>> {
+    let kernel = column_sum::KERNELS
+        .find(&dtype)
+        .ok_or(Error::Internal("no column sum for this dtype"))?;
+    let sums = 1 + second.is_some() as usize;
+    let aligned = partials % 16 == 0 && second.is_none_or(|(p, _)| p % 16 == 0);
+    let second = second.unwrap_or((0, 0));
+    // Four columns per thread where rows of partials are 16-byte aligned and wide enough for
+    // slabs of 128 columns to fill the GPU; the same bits either way (the same order per column).
+    let columns = if d % COLUMN_SUM_VECTOR == 0 && aligned && d >= VECTOR_COLUMN_SUM_MIN_D {
+        COLUMN_SUM_VECTOR
+    } else {
+        1
+    };
+    let block = COLUMN_SUM_THREADS;
+    let shared_bytes = (kernel.shared_bytes)(block);
+    let slabs = d.div_ceil(32 * columns) * sums;
+    let grid = persistent_grid(device, kernel.entry(), slabs, block, 1, shared_bytes)?;
+    Ok(Launch {
+        kernel,
+        grid,
+        block,
+        cluster: 1,
+        shared_bytes,
+        params: ColumnSumParams {
+            partials,
+            out,
+            partials2: second.0,
+            out2: second.1,
+            groups: groups as u32,
+            d: d as u32,
+            columns: columns as u32,
+        },
+    })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// An H200 as the plans see it: 132 SMs, 64K registers and 2048 threads per SM, clusters of
+    /// 8 in 15 GPCs; each kernel's registers per thread from `registers(entry name)`.
+    pub(crate) struct FakeH200 {
+        pub registers: fn(&str) -> usize,
+        pub grid_limit: Option<usize>,
+    }
+
+    impl FakeH200 {
+        fn per_sm(&self, kernel: Entry, block: usize, shared: usize) -> usize {
+            let by_threads = 2048 / block;
+            let by_registers = 65536 / ((self.registers)(kernel.name) * block);
+            let by_shared = (228 * 1024) / (shared + 1024);
+            by_threads.min(by_registers).min(by_shared).min(32)
+        }
+    }
+
+    impl Device for FakeH200 {
+        fn sm_count(&self) -> usize {
+            132
+        }
+        fn max_cluster(&self) -> usize {
+            8
+        }
+        fn shared_opt_in(&self) -> usize {
+            227 * 1024
+        }
+        fn grid_limit(&self) -> Option<usize> {
+            self.grid_limit
+        }
+        fn max_threads(&self, kernel: Entry) -> Result<usize> {
+            Ok((65536 / (self.registers)(kernel.name)).min(1024) / 32 * 32)
+        }
+        fn resident_blocks(&self, kernel: Entry, block: usize, shared: usize) -> Result<usize> {
+            Ok(132 * self.per_sm(kernel, block, shared))
+        }
+        fn resident_clusters(
+            &self,
+            k: Entry,
+            block: usize,
+            cluster: usize,
+            s: usize,
+        ) -> Result<usize> {
+            let per_sm = self.per_sm(k, block, s);
+            Ok(if cluster == 8 {
+                15 * per_sm
+            } else {
+                132 * per_sm / cluster
+            })
+        }
+    }
+
+    /// The tile for `d` elements of `len` per access on a device whose kernels take
+    /// `regs(vpt, cluster)` registers per thread (64K per SM, 1024 threads per block at most).
+    fn pick(d: usize, len: usize, max_cluster: usize, regs: fn(usize, bool) -> usize) -> RowTile {
+        pick_with(d, len, max_cluster, regs, |_| false)
+    }
+
+    /// [`pick`] for kernels whose tiles of `vpt` accesses prefetch as `prefetches` says.
+    fn pick_with(
+        d: usize,
+        len: usize,
+        max_cluster: usize,
+        regs: fn(usize, bool) -> usize,
+        prefetches: fn(usize) -> bool,
+    ) -> RowTile {
+        let max_threads = |vpt, cluster| Ok(Some((65536 / regs(vpt, cluster)).min(1024) / 32 * 32));
+        row_tile(d, len, &[1, 2, 4], max_cluster, max_threads, prefetches).unwrap()
+    }
+
+    /// Register counts of the bf16 backward instances (ptxas, sm_90).
+    fn backward_regs(vpt: usize, cluster: bool) -> usize {
+        match (vpt, cluster) {
+            (1, _) => 80,
+            (2, _) => 128,
+            (4, _) => 241,
+            _ => 80,
+        }
+    }
+
+    fn tile(vpt: usize, threads: usize, cluster: usize) -> RowTile {
+        RowTile {
+            vpt,
+            threads,
+            cluster,
+        }
+    }
+
+    #[test]
+    fn rows_that_fit_a_block_take_one_block() {
+        assert_eq!(pick(4096, 8, 8, backward_regs), tile(2, 256, 1));
+        assert_eq!(pick(1000, 1, 8, backward_regs), tile(4, 256, 1));
+        assert_eq!(pick(7, 8, 8, backward_regs), tile(1, 32, 1));
+        // 8192 bf16: 4 packs × 256 threads still fit one block.
+        assert_eq!(pick(8192, 8, 8, backward_regs), tile(4, 256, 1));
+    }
+
+    /// Register counts of the bf16 forward instances (ptxas, sm_90), RMSNorm's and LayerNorm's
+    /// (which both fit 512 threads of 4 packs and 1024 of 2).
+    fn forward_regs(vpt: usize, _cluster: bool) -> usize {
+        match vpt {
+            1 => 40,
+            2 => 64,
+            _ => 128,
+        }
+    }
+
+    #[test]
+    fn rows_past_the_preferred_block_take_a_tile_that_prefetches() {
+        use normkern_gpu::norm::forward_prefetches;
+        // 16384 bf16: RMSNorm's 2-pack tile does not prefetch, its 4-pack tile does.
+        let rms = |vpt| forward_prefetches(false, false, vpt);
+        assert_eq!(pick_with(16384, 8, 8, forward_regs, rms), tile(4, 512, 1));
+        // LayerNorm's both do: the one with more warps.
+        let layer = |vpt| forward_prefetches(true, false, vpt);
+        assert_eq!(
+            pick_with(16384, 8, 8, forward_regs, layer),
+            tile(2, 1024, 1)
+        );
+        // Neither prefetches (the residual kernels): more warps.
+        assert_eq!(pick(16384, 8, 8, forward_regs), tile(2, 1024, 1));
+    }
+
+    #[test]
+    fn persistent_grids_walk_the_items_in_even_rounds() {
+        assert_eq!(balanced_teams(16384, 528), 512);
+        assert_eq!(balanced_teams(16384, 660), 656);
+        assert_eq!(balanced_teams(1000, 528), 500);
+        assert_eq!(balanced_teams(45, 15), 15);
+        assert_eq!(balanced_teams(13, 15), 13);
+        assert_eq!(balanced_teams(0, 528), 1);
+        assert_eq!(balanced_teams(7, 0), 1);
+    }
+
+    #[test]
+    fn wider_rows_take_the_smallest_cluster_of_preferred_blocks() {
+        assert_eq!(pick(16384, 8, 8, backward_regs), tile(4, 256, 2));
+        assert_eq!(pick(65536, 8, 8, backward_regs), tile(4, 256, 8));
+        // 73728 bf16 would need 288 threads of 4 packs in each of 8 blocks, past the 4-pack
+        // tile's register limit (256): it streams.
+        assert_eq!(pick(73728, 8, 8, backward_regs), tile(STREAM, 800, 8));
+    }
+
+    #[test]
+    fn without_clusters_or_past_them_rows_stream() {
+        assert_eq!(pick(16384, 8, 1, backward_regs), tile(STREAM, 800, 1));
+        assert_eq!(pick(1 << 20, 8, 8, backward_regs), tile(STREAM, 800, 8));
+    }
+
+    #[test]
+    fn tiles_that_are_not_compiled_are_skipped() {
+        // No cluster instances (as for single-element access): the row streams in one block.
+        let max_threads = |_vpt, cluster: bool| Ok((!cluster).then_some(1024));
+        let t = row_tile(65536, 8, &[1, 2, 4], 8, max_threads, |_| false).unwrap();
+        assert_eq!(t, tile(STREAM, 1024, 1));
+        // Only the streaming tile (the residual kernels' single-element access).
+        let t = row_tile(100, 1, &[], 1, |_, _| Ok(Some(1024)), |_| false).unwrap();
+        assert_eq!(t, tile(STREAM, 128, 1));
+    }
+}
