@@ -1,6 +1,7 @@
 //! Shared test and bench support: the f64 reference of every op, random inputs, dtype conversion,
 //! tolerances, poisoning, and access to a GPU when there is one.
 
+pub mod backend;
 pub mod reference;
 
 use std::sync::Arc;

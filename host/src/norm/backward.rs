@@ -2,7 +2,7 @@
 //! sum of the dγ and dβ partials).
 
 use normkern_gpu::column_sum::{ColumnSumParams, group_layout};
-use normkern_gpu::kernel::{Dtype as KernelDtype, Kernel};
+use normkern_gpu::kernel::Dtype as KernelDtype;
 use normkern_gpu::norm::{BACKWARD, BackwardParams, Norm, NormKey};
 
 use super::{RowLaunch, check_config, inv, params_f32, stored_f32, stride_in_elems};
@@ -373,6 +373,7 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
 pub(crate) mod tests {
     use super::*;
     use crate::plan::tests::FakeH200;
+    use normkern_gpu::kernel::Kernel;
     use normkern_gpu::column_sum::COLUMN_SUM_THREADS;
     use normkern_gpu::reduce::ROW_REDUCER_SHARED_WORDS;
 
