@@ -229,13 +229,16 @@ pub fn backward<E: Executor, T: Dtype>(exec: &E, mut args: Backward<'_, E, T>) -
     call.run(exec)
 }
 
+/// `(address, stride)` of `a` and `b`, and the guards of the buffers they are in.
+type GatedOperands<'g, E> = ([(u64, usize); 2], [Option<<E as Executor>::Guard<'g>>; 2]);
+
 /// `(a, b)` of the gated inputs: their addresses and strides, after checking their shapes
 /// against `rows × d`.
 fn gated_input<'g, E: Executor, T: Dtype>(
     exec: &'g E,
     input: &'g GatedInput<'_, E, T>,
     (rows, d): (usize, usize),
-) -> Result<([(u64, usize); 2], [Option<E::Guard<'g>>; 2])> {
+) -> Result<GatedOperands<'g, E>> {
     match input {
         GatedInput::Separate { a, b } => {
             a.expect_shape("a", rows, d)?;

@@ -373,8 +373,8 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
 pub(crate) mod tests {
     use super::*;
     use crate::plan::tests::FakeH200;
-    use normkern_gpu::kernel::Kernel;
     use normkern_gpu::column_sum::COLUMN_SUM_THREADS;
+    use normkern_gpu::kernel::Kernel;
     use normkern_gpu::reduce::ROW_REDUCER_SHARED_WORDS;
 
     /// Registers per thread of the bf16 kernels (ptxas, sm_90).

@@ -3,10 +3,11 @@
 //! runs the same kernels in the CPU emulator on a small shape instead.
 
 use half::bf16;
-use normkern::{Context, Emulator, NormConfig, Rows, rms_norm};
+use normkern::{Context, Emulator, NormBackward, NormForward, Rows, rms_norm};
+use normkern_tests::backend::{Backend, Device, Host};
 use normkern_tests::bench::{copy_bandwidth, median_us};
 use normkern_tests::reference::rms_norm as reference;
-use normkern_tests::{Rng, TestDtype, aligned_f32, floats_mut, to_f64};
+use normkern_tests::{Rng, TestDtype, to_f64};
 
 const EPS: f32 = 1e-6;
 
@@ -71,10 +72,99 @@ fn main() {
         Err(e) => {
             println!("No GPU found ({e}).");
             println!("Running the same kernels in the CPU emulator on a small shape instead.");
-            on_emulator()
+            let (rows, d) = (48, 512);
+            println!("Emulator: RMSNorm bf16 {rows}×{d}");
+            let start = std::time::Instant::now();
+            let host = Host(Emulator::new());
+            let run = Run::new(&host, rows, d);
+            run.forward();
+            run.backward();
+            println!(
+                "forward + backward emulated in {:.2} s (CPU threads; no GPU timing)",
+                start.elapsed().as_secs_f64()
+            );
+            run.check()
         }
     };
     std::process::exit(if ok { 0 } else { 1 });
+}
+
+/// One RMSNorm forward + backward problem on a backend: random inputs, poisoned outputs.
+struct Run<'b, B: Backend> {
+    backend: &'b B,
+    rows: usize,
+    d: usize,
+    host: [Vec<bf16>; 3],
+    x: B::Buf<bf16>,
+    dy: B::Buf<bf16>,
+    weight: B::Buf<bf16>,
+    y: std::cell::RefCell<B::Buf<bf16>>,
+    dx: std::cell::RefCell<B::Buf<bf16>>,
+    dweight: std::cell::RefCell<B::Buf<bf16>>,
+    rstd: std::cell::RefCell<B::Buf<f32>>,
+    workspace: std::cell::RefCell<B::Buf<f32>>,
+}
+
+impl<'b, B: Backend> Run<'b, B> {
+    fn new(backend: &'b B, rows: usize, d: usize) -> Self {
+        let mut rng = Rng::fresh("demo");
+        let host = [
+            rng.vec::<bf16>(rows * d, -2.0, 2.0),
+            rng.vec::<bf16>(rows * d, -1.0, 1.0),
+            rng.vec::<bf16>(d, 0.5, 1.5),
+        ];
+        let poison = |n| backend.upload(&vec![bf16::poison(); n]);
+        let ws_len = rms_norm::workspace_len(rows, d).expect("workspace length");
+        Run {
+            backend,
+            rows,
+            d,
+            x: backend.upload(&host[0]),
+            dy: backend.upload(&host[1]),
+            weight: backend.upload(&host[2]),
+            y: poison(rows * d).into(),
+            dx: poison(rows * d).into(),
+            dweight: poison(d).into(),
+            rstd: backend.upload(&vec![f32::NAN; rows]).into(),
+            workspace: backend.upload(&vec![f32::NAN; ws_len]).into(),
+            host,
+        }
+    }
+
+    fn forward(&self) {
+        let (rows, d) = (self.rows, self.d);
+        let (mut y, mut rstd) = (self.y.borrow_mut(), self.rstd.borrow_mut());
+        let x = Rows::new(B::input(&self.x, 0), rows, d).unwrap();
+        let y = Rows::new(B::output(&mut y, 0), rows, d).unwrap();
+        let args = NormForward::new(x, B::input(&self.weight, 0), y).eps(EPS);
+        rms_norm::forward(self.backend.exec(), args.rstd(B::output(&mut rstd, 0))).unwrap();
+    }
+
+    fn backward(&self) {
+        let (rows, d) = (self.rows, self.d);
+        let (mut dx, mut dweight) = (self.dx.borrow_mut(), self.dweight.borrow_mut());
+        let (rstd, mut workspace) = (self.rstd.borrow(), self.workspace.borrow_mut());
+        let dy = Rows::new(B::input(&self.dy, 0), rows, d).unwrap();
+        let x = Rows::new(B::input(&self.x, 0), rows, d).unwrap();
+        let dx = Rows::new(B::output(&mut dx, 0), rows, d).unwrap();
+        let (weight, dweight) = (B::input(&self.weight, 0), B::output(&mut dweight, 0));
+        let args = NormBackward::new(dy, x, weight, dx, dweight, B::output(&mut workspace, 0));
+        let args = args.eps(EPS).rstd(B::input(&rstd, 0));
+        rms_norm::backward(self.backend.exec(), args).unwrap();
+    }
+
+    /// Compares the outputs with the f64 reference and prints the verdict.
+    fn check(&self) -> bool {
+        let [x, dy, weight] = &self.host;
+        let b = self.backend;
+        let outputs = [
+            b.download(&self.y.borrow()),
+            b.download(&self.dx.borrow()),
+            b.download(&self.dweight.borrow()),
+        ];
+        let [y, dx, dweight] = &outputs;
+        report(&check([x, dy, weight], [y, dx, dweight], self.rows, self.d))
+    }
 }
 
 fn on_gpu(ctx: &Context) -> bool {
@@ -86,61 +176,11 @@ fn on_gpu(ctx: &Context) -> bool {
         ctx.sm_count(),
         ctx.ptx_arch()
     );
-    let mut rng = Rng::fresh("demo");
-    let (x, dy, gamma) = (
-        rng.vec::<bf16>(rows * d, -2.0, 2.0),
-        rng.vec::<bf16>(rows * d, -1.0, 1.0),
-        rng.vec::<bf16>(d, 0.5, 1.5),
-    );
-    let xd = stream.clone_htod(&x).unwrap();
-    let dyd = stream.clone_htod(&dy).unwrap();
-    let gd = stream.clone_htod(&gamma).unwrap();
-    let mut yd = stream.clone_htod(&vec![bf16::poison(); rows * d]).unwrap();
-    let mut dxd = stream.clone_htod(&vec![bf16::poison(); rows * d]).unwrap();
-    let mut rstd = stream.alloc_zeros::<f32>(rows).unwrap();
-    let mut dgamma = stream.alloc_zeros::<bf16>(d).unwrap();
-    let mut ws = rms_norm::alloc_workspace(&stream, rows, d).unwrap();
-    let cfg = NormConfig::new(EPS);
-    let xv = Rows::new(xd.as_view(), rows, d).unwrap();
-    let dyv = Rows::new(dyd.as_view(), rows, d).unwrap();
-    let mut forward = || {
-        let mut y = Rows::new(yd.as_view_mut(), rows, d).unwrap();
-        rms_norm::forward(
-            ctx,
-            &stream,
-            &cfg,
-            &xv,
-            &gd.as_view(),
-            &mut y,
-            Some(&mut rstd.as_view_mut()),
-        )
-        .unwrap();
-    };
-    let fwd_us = median_us(ctx.cuda(), &stream, 5, 50, |_| forward());
-    let mut backward = || {
-        let mut dx = Rows::new(dxd.as_view_mut(), rows, d).unwrap();
-        rms_norm::backward(
-            ctx,
-            &stream,
-            &cfg,
-            &dyv,
-            &xv,
-            &gd.as_view(),
-            Some(&rstd.as_view()),
-            &mut dx,
-            &mut dgamma.as_view_mut(),
-            &mut ws.as_view_mut(),
-        )
-        .unwrap();
-    };
-    let bwd_us = median_us(ctx.cuda(), &stream, 5, 50, |_| backward());
-    stream.synchronize().unwrap();
-    let (y, dx, dg) = (
-        stream.clone_dtoh(&yd).unwrap(),
-        stream.clone_dtoh(&dxd).unwrap(),
-        stream.clone_dtoh(&dgamma).unwrap(),
-    );
-    let ok = report(&check([&x, &dy, &gamma], [&y, &dx, &dg], rows, d));
+    let device = Device::new(ctx, &stream);
+    let run = Run::new(&device, rows, d);
+    let fwd_us = median_us(ctx.cuda(), &stream, 5, 50, |_| run.forward());
+    let bwd_us = median_us(ctx.cuda(), &stream, 5, 50, |_| run.backward());
+    let ok = run.check();
     let copy = copy_bandwidth(ctx.cuda(), &stream, 20);
     let n = (rows * d * 2) as f64;
     let (fwd_gbs, bwd_gbs) = (2.0 * n / fwd_us / 1e3, 3.0 * n / bwd_us / 1e3);
@@ -153,48 +193,4 @@ fn on_gpu(ctx: &Context) -> bool {
         100.0 * bwd_gbs / copy
     );
     ok
-}
-
-fn on_emulator() -> bool {
-    let (rows, d) = (48, 512);
-    println!("Emulator: RMSNorm bf16 {rows}×{d}");
-    let mut rng = Rng::fresh("demo");
-    let (x, dy, gamma) = (
-        rng.vec::<bf16>(rows * d, -2.0, 2.0),
-        rng.vec::<bf16>(rows * d, -1.0, 1.0),
-        rng.vec::<bf16>(d, 0.5, 1.5),
-    );
-    let mut y = vec![bf16::poison(); rows * d];
-    let mut dx = vec![bf16::poison(); rows * d];
-    let mut rstd = vec![0.0f32; rows];
-    let mut dgamma = vec![bf16::poison(); d];
-    let ws_len = rms_norm::workspace_len(rows, d);
-    let mut ws = aligned_f32(ws_len);
-    let emu = Emulator::new();
-    let start = std::time::Instant::now();
-    let xv = Rows::new(&x[..], rows, d).unwrap();
-    emu.rms_norm_forward(
-        &NormConfig::new(EPS),
-        &xv,
-        &gamma,
-        &mut Rows::new(&mut y[..], rows, d).unwrap(),
-        Some(&mut rstd),
-    )
-    .unwrap();
-    emu.rms_norm_backward(
-        &NormConfig::new(EPS),
-        &Rows::new(&dy[..], rows, d).unwrap(),
-        &xv,
-        &gamma,
-        Some(&rstd),
-        &mut Rows::new(&mut dx[..], rows, d).unwrap(),
-        &mut dgamma,
-        floats_mut(&mut ws, ws_len),
-    )
-    .unwrap();
-    println!(
-        "forward + backward emulated in {:.2} s (CPU threads; no GPU timing)",
-        start.elapsed().as_secs_f64()
-    );
-    report(&check([&x, &dy, &gamma], [&y, &dx, &dgamma], rows, d))
 }

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use half::bf16;
-use normkern::activation::{self, Activation};
+use normkern::activation::{self, Activation, GatedGrad, GatedInput};
 use normkern::cudarc::driver::{CudaSlice, CudaStream};
 use normkern::{Context, Rows};
 use normkern_tests::Rng;
@@ -21,6 +21,7 @@ struct Set {
 }
 
 pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measurement> {
+    let gpu = ctx.on(stream).expect("the stream is the context's");
     let (rows, d) = (16384, 4096);
     let n = rows * d;
     let mut rng = Rng::seeded(11);
@@ -37,7 +38,7 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
         .collect();
     let mut dbias = stream.alloc_zeros::<bf16>(d).unwrap();
     let mut ws = stream
-        .alloc_zeros::<f32>(activation::workspace_len(rows, d))
+        .alloc_zeros::<f32>(activation::workspace_len(rows, d).unwrap())
         .unwrap();
     let shape = format!("{rows}×{d}");
     let tensor = (n * 2) as f64;
@@ -72,40 +73,20 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
     };
     for &(act, name) in acts {
         let us = time(&mut |set| {
-            activation::forward(
-                ctx,
-                stream,
-                act,
-                &v(rows, d, &set.a),
-                &mut Rows::new(set.out0.as_view_mut(), rows, d).unwrap(),
-            )
-            .unwrap()
+            let y = Rows::new(set.out0.as_view_mut(), rows, d).unwrap();
+            activation::forward(&gpu, activation::Forward::new(act, v(rows, d, &set.a), y)).unwrap()
         });
         record(format!("{name} fwd"), us, 2.0 * tensor);
         let us = time(&mut |set| {
-            activation::backward(
-                ctx,
-                stream,
-                act,
-                &v(rows, d, &set.g),
-                &v(rows, d, &set.a),
-                &mut Rows::new(set.out0.as_view_mut(), rows, d).unwrap(),
-            )
-            .unwrap()
+            let dx = Rows::new(set.out0.as_view_mut(), rows, d).unwrap();
+            let args = activation::Backward::new(act, v(rows, d, &set.g), v(rows, d, &set.a), dx);
+            activation::backward(&gpu, args).unwrap()
         });
         record(format!("{name} bwd"), us, 3.0 * tensor);
         let us = time(&mut |set| {
-            activation::backward_dbias(
-                ctx,
-                stream,
-                act,
-                &v(rows, d, &set.g),
-                &v(rows, d, &set.a),
-                &mut Rows::new(set.out0.as_view_mut(), rows, d).unwrap(),
-                &mut dbias.as_view_mut(),
-                &mut ws.as_view_mut(),
-            )
-            .unwrap()
+            let dx = Rows::new(set.out0.as_view_mut(), rows, d).unwrap();
+            let args = activation::Backward::new(act, v(rows, d, &set.g), v(rows, d, &set.a), dx);
+            activation::backward(&gpu, args.dbias(dbias.as_view_mut(), ws.as_view_mut())).unwrap()
         });
         // dy and preact read, dx written, dbias written (the workspace is not counted).
         record(
@@ -117,15 +98,14 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
             continue;
         }
         let us = time(&mut |set| {
-            activation::gated_forward(
-                ctx,
-                stream,
-                act,
-                &v(rows, d, &set.a),
-                &v(rows, d, &set.b),
-                &mut Rows::new(set.out0.as_view_mut(), rows, d).unwrap(),
-            )
-            .unwrap()
+            let (a, b) = (v(rows, d, &set.a), v(rows, d, &set.b));
+            let h = Rows::new(set.out0.as_view_mut(), rows, d).unwrap();
+            let args = activation::GatedForward {
+                activation: act,
+                input: GatedInput::Separate { a, b },
+                h,
+            };
+            activation::gated_forward(&gpu, args).unwrap()
         });
         record(format!("{name} gated fwd"), us, 3.0 * tensor);
         let us = time(&mut |set| {
@@ -136,17 +116,19 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
                 out0,
                 out1,
             } = set;
-            activation::gated_backward(
-                ctx,
-                stream,
-                act,
-                &v(rows, d, g),
-                &v(rows, d, a),
-                &v(rows, d, b),
-                &mut Rows::new(out0.as_view_mut(), rows, d).unwrap(),
-                &mut Rows::new(out1.as_view_mut(), rows, d).unwrap(),
-            )
-            .unwrap()
+            let args = activation::GatedBackward {
+                activation: act,
+                dh: v(rows, d, g),
+                input: GatedInput::Separate {
+                    a: v(rows, d, a),
+                    b: v(rows, d, b),
+                },
+                grad: GatedGrad::Separate {
+                    da: Rows::new(out0.as_view_mut(), rows, d).unwrap(),
+                    db: Rows::new(out1.as_view_mut(), rows, d).unwrap(),
+                },
+            };
+            activation::gated_backward(&gpu, args).unwrap()
         });
         record(format!("{name} gated bwd"), us, 5.0 * tensor);
     }

@@ -5,11 +5,14 @@ use std::sync::Arc;
 
 use half::bf16;
 use normkern::cudarc::driver::{CudaSlice, CudaStream};
-use normkern::{Context, NormConfig, Rows, layer_norm, rms_norm};
+use normkern::{Context, NormBackward, NormForward, Rows, layer_norm, rms_norm};
 use normkern_tests::bench::median_us;
 use normkern_tests::{Rng, TestDtype};
 
 use crate::{Measurement, Settings};
+
+/// eps of every measured call.
+const EPS: f32 = 1e-6;
 
 /// H200's L2 is 60 MB (50 MiB on H100): rotate over input sets that together exceed it 3×.
 const ROTATE_BYTES: usize = 180 << 20;
@@ -24,6 +27,7 @@ struct Set {
 }
 
 pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measurement> {
+    let gpu = ctx.on(stream).expect("the stream is the context's");
     let shapes: &[(usize, usize)] = if let Some(shapes) = &s.shapes {
         shapes
     } else if s.quick {
@@ -59,26 +63,18 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
         let beta = stream.clone_htod(&rng.vec::<bf16>(d, -0.5, 0.5)).unwrap();
         let mut dgamma = stream.alloc_zeros::<bf16>(d).unwrap();
         let mut dbeta = stream.alloc_zeros::<bf16>(d).unwrap();
-        let mut ws = layer_norm::alloc_workspace(stream, rows, d).unwrap();
+        let ws_len = layer_norm::workspace_len(rows, d).unwrap();
+        let mut ws = stream.alloc_zeros::<f32>(ws_len).unwrap();
         let mut sets = sets;
         let shape = format!("{rows}×{d}");
-        let cfg = NormConfig::new(1e-6);
 
         let fwd_us = median_us(ctx.cuda(), stream, s.warmup, s.reps, |i| {
             let k = i % sets.len();
             let set = &mut sets[k];
             let x = Rows::new(set.x.as_view(), rows, d).unwrap();
-            let mut y = Rows::new(set.y.as_view_mut(), rows, d).unwrap();
-            rms_norm::forward(
-                ctx,
-                stream,
-                &cfg,
-                &x,
-                &gamma.as_view(),
-                &mut y,
-                Some(&mut set.rstd.as_view_mut()),
-            )
-            .unwrap();
+            let y = Rows::new(set.y.as_view_mut(), rows, d).unwrap();
+            let args = NormForward::new(x, gamma.as_view(), y).eps(EPS);
+            rms_norm::forward(&gpu, args.rstd(set.rstd.as_view_mut())).unwrap();
         });
         // x read, y written, rstd written, γ read.
         let fwd_bytes = (2 * n * 2 + rows * 4 + d * 2) as f64;
@@ -95,20 +91,10 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
             let set = &mut sets[k];
             let x = Rows::new(set.x.as_view(), rows, d).unwrap();
             let dy = Rows::new(set.dy.as_view(), rows, d).unwrap();
-            let mut dx = Rows::new(set.dx.as_view_mut(), rows, d).unwrap();
-            rms_norm::backward(
-                ctx,
-                stream,
-                &cfg,
-                &dy,
-                &x,
-                &gamma.as_view(),
-                Some(&set.rstd.as_view()),
-                &mut dx,
-                &mut dgamma.as_view_mut(),
-                &mut ws.as_view_mut(),
-            )
-            .unwrap();
+            let dx = Rows::new(set.dx.as_view_mut(), rows, d).unwrap();
+            let (dgamma, ws) = (dgamma.as_view_mut(), ws.as_view_mut());
+            let args = NormBackward::new(dy, x, gamma.as_view(), dx, dgamma, ws).eps(EPS);
+            rms_norm::backward(&gpu, args.rstd(set.rstd.as_view())).unwrap();
         });
         // x and dy read, dx written, rstd and γ read, dγ written (the workspace is not counted).
         let bwd_bytes = (3 * n * 2 + rows * 4 + 2 * d * 2) as f64;
@@ -126,19 +112,12 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
             let Set {
                 x, y, mean, rstd, ..
             } = &mut sets[k];
-            let beta = beta.as_view();
-            layer_norm::forward(
-                ctx,
-                stream,
-                &cfg,
-                &Rows::new(x.as_view(), rows, d).unwrap(),
-                &gamma.as_view(),
-                Some(&beta),
-                &mut Rows::new(y.as_view_mut(), rows, d).unwrap(),
-                Some(&mut mean.as_view_mut()),
-                Some(&mut rstd.as_view_mut()),
-            )
-            .unwrap();
+            let x = Rows::new(x.as_view(), rows, d).unwrap();
+            let y = Rows::new(y.as_view_mut(), rows, d).unwrap();
+            let args = NormForward::new(x, gamma.as_view(), y).eps(EPS);
+            let args = args.bias(beta.as_view());
+            layer_norm::forward(&gpu, args.mean(mean.as_view_mut()).rstd(rstd.as_view_mut()))
+                .unwrap();
         });
         // x read, y written, mean and rstd written, γ and β read.
         let bytes = (2 * n * 2 + 2 * rows * 4 + 2 * d * 2) as f64;
@@ -159,21 +138,13 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
                 rstd,
                 ..
             } = &mut sets[k];
-            let mut dbeta = dbeta.as_view_mut();
-            layer_norm::backward(
-                ctx,
-                stream,
-                &cfg,
-                &Rows::new(dy.as_view(), rows, d).unwrap(),
-                &Rows::new(x.as_view(), rows, d).unwrap(),
-                &gamma.as_view(),
-                Some((&mean.as_view(), &rstd.as_view())),
-                &mut Rows::new(dx.as_view_mut(), rows, d).unwrap(),
-                &mut dgamma.as_view_mut(),
-                Some(&mut dbeta),
-                &mut ws.as_view_mut(),
-            )
-            .unwrap();
+            let dy = Rows::new(dy.as_view(), rows, d).unwrap();
+            let x = Rows::new(x.as_view(), rows, d).unwrap();
+            let dx = Rows::new(dx.as_view_mut(), rows, d).unwrap();
+            let (dgamma, ws) = (dgamma.as_view_mut(), ws.as_view_mut());
+            let args = NormBackward::new(dy, x, gamma.as_view(), dx, dgamma, ws).eps(EPS);
+            let args = args.mean_rstd(mean.as_view(), rstd.as_view());
+            layer_norm::backward(&gpu, args.dbias(dbeta.as_view_mut())).unwrap();
         });
         // x and dy read, dx written, mean, rstd and γ read, dγ and dβ written.
         let bytes = (3 * n * 2 + 2 * rows * 4 + 3 * d * 2) as f64;
@@ -186,13 +157,11 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
         });
         eprintln!("layer_norm {rows}×{d}: fwd {fwd_us:.1} µs, bwd {bwd_us:.1} µs");
         drop(sets);
-        out.extend(rms_norm_residual::<bf16>(
-            ctx, stream, s, &mut rng, rows, d, "bf16",
-        ));
+        let shape = (rows, d);
+        let on = (ctx, stream);
+        out.extend(rms_norm_residual::<bf16>(on, s, &mut rng, shape, "bf16"));
         let dtype = "bf16, f32 residual";
-        out.extend(rms_norm_residual::<f32>(
-            ctx, stream, s, &mut rng, rows, d, dtype,
-        ));
+        out.extend(rms_norm_residual::<f32>(on, s, &mut rng, shape, dtype));
     }
     out
 }
@@ -211,17 +180,16 @@ struct ResidualSet<H: TestDtype> {
     rstd: CudaSlice<f32>,
 }
 
-/// `rms_norm::forward_residual` and `backward_residual` (with dresidual) at `rows × d`, the
+/// RMSNorm's forward with the residual add and its backward with dresidual at `rows × d`, the
 /// residual stream stored as `H`.
 fn rms_norm_residual<H: TestDtype>(
-    ctx: &Context,
-    stream: &Arc<CudaStream>,
+    (ctx, stream): (&Context, &Arc<CudaStream>),
     s: &Settings,
     rng: &mut Rng,
-    rows: usize,
-    d: usize,
+    (rows, d): (usize, usize),
     dtype: &'static str,
 ) -> Vec<Measurement> {
+    let gpu = &ctx.on(stream).expect("the stream is the context's");
     let n = rows * d;
     let h_bytes = std::mem::size_of::<H>();
     let set_bytes = n * (4 * 2 + 3 * h_bytes);
@@ -244,41 +212,30 @@ fn rms_norm_residual<H: TestDtype>(
         .collect();
     let gamma = stream.clone_htod(&rng.vec::<bf16>(d, 0.5, 1.5)).unwrap();
     let mut dgamma = stream.alloc_zeros::<bf16>(d).unwrap();
-    let mut ws = rms_norm::alloc_workspace(stream, rows, d).unwrap();
-    let cfg = NormConfig::new(1e-6);
+    let mut ws = stream
+        .alloc_zeros::<f32>(rms_norm::workspace_len(rows, d).unwrap())
+        .unwrap();
     let fwd_us = median_us(ctx.cuda(), stream, s.warmup, s.reps, |i| {
         let k = i % sets.len();
         let set = &mut sets[k];
-        rms_norm::forward_residual(
-            ctx,
-            stream,
-            &cfg,
-            &Rows::new(set.x.as_view(), rows, d).unwrap(),
-            &Rows::new(set.residual.as_view(), rows, d).unwrap(),
-            &gamma.as_view(),
-            &mut Rows::new(set.y.as_view_mut(), rows, d).unwrap(),
-            &mut Rows::new(set.h.as_view_mut(), rows, d).unwrap(),
-            Some(&mut set.rstd.as_view_mut()),
-        )
-        .unwrap();
+        let x = Rows::new(set.x.as_view(), rows, d).unwrap();
+        let y = Rows::new(set.y.as_view_mut(), rows, d).unwrap();
+        let residual = Rows::new(set.residual.as_view(), rows, d).unwrap();
+        let h = Rows::new(set.h.as_view_mut(), rows, d).unwrap();
+        let args = NormForward::new(x, gamma.as_view(), y).eps(EPS);
+        let args = args.rstd(set.rstd.as_view_mut()).residual(residual, h);
+        rms_norm::forward(gpu, args).unwrap();
     });
     let bwd_us = median_us(ctx.cuda(), stream, s.warmup, s.reps, |i| {
         let k = i % sets.len();
         let set = &mut sets[k];
-        rms_norm::backward_residual(
-            ctx,
-            stream,
-            &cfg,
-            &Rows::new(set.dy.as_view(), rows, d).unwrap(),
-            &Rows::new(set.h.as_view(), rows, d).unwrap(),
-            &gamma.as_view(),
-            Some(&set.rstd.as_view()),
-            Some(&Rows::new(set.dresidual.as_view(), rows, d).unwrap()),
-            &mut Rows::new(set.dx.as_view_mut(), rows, d).unwrap(),
-            &mut dgamma.as_view_mut(),
-            &mut ws.as_view_mut(),
-        )
-        .unwrap();
+        let dy = Rows::new(set.dy.as_view(), rows, d).unwrap();
+        let h = Rows::new(set.h.as_view(), rows, d).unwrap();
+        let dx = Rows::new(set.dx.as_view_mut(), rows, d).unwrap();
+        let dresidual = Rows::new(set.dresidual.as_view(), rows, d).unwrap();
+        let (dgamma, ws) = (dgamma.as_view_mut(), ws.as_view_mut());
+        let args = NormBackward::new(dy, h, gamma.as_view(), dx, dgamma, ws).eps(EPS);
+        rms_norm::backward(gpu, args.rstd(set.rstd.as_view()).dresidual(dresidual)).unwrap();
     });
     eprintln!("rms_norm + residual ({dtype}) {rows}×{d}: fwd {fwd_us:.1} µs, bwd {bwd_us:.1} µs");
     vec![
