@@ -1,18 +1,17 @@
 //! Activations against the f64 reference: the reference derivatives against finite differences,
-//! the device functions' accuracy and special values, the kernels in the CPU emulator, and the
-//! kernels on the GPU (skipped with a printed reason when there is none).
-
-use std::sync::Arc;
+//! the device functions' accuracy and special values, and every kernel entry point, each case
+//! written once for both executors: in the CPU emulator, and on the GPU (skipped with a printed
+//! reason when there is none).
 
 use half::{bf16, f16};
-use normkern::activation::{self, Activation};
-use normkern::cudarc::driver::CudaStream;
-use normkern::{Context, Emulator, Error, Rows};
-use normkern_gpu::activation as device;
-use normkern_tests::reference::activation::{self as reference, ALL};
-use normkern_tests::{
-    Rng, TestDtype, aligned_f32, assert_close, floats_mut, gather_rows, gpu, rms, same_bits, to_f64,
+use normkern::activation::{
+    self, Activation, Backward, Forward, GatedBackward, GatedForward, GatedGrad, GatedInput,
 };
+use normkern::{Context, Emulator, Error, Executor, Rows};
+use normkern_gpu::activation as device;
+use normkern_tests::backend::{Backend, Device, Host};
+use normkern_tests::reference::activation::{self as reference, ALL};
+use normkern_tests::{Rng, TestDtype, assert_close, gather_rows, gpu, rms, same_bits, to_f64};
 
 /// A device function `f32 -> f32`.
 type DeviceFn = fn(f32) -> f32;
@@ -128,6 +127,58 @@ fn special_values_propagate_or_take_their_limits() {
     }
 }
 
+/// A backend's input and output buffers.
+type In<'a, B, T> = <<B as Backend>::Exec as Executor>::In<'a, T>;
+type Out<'a, B, T> = <<B as Backend>::Exec as Executor>::Out<'a, T>;
+
+/// `rows × d`, rows `stride` apart, from element `offset` of a backend's buffer.
+fn rows_of<B: Backend, T: TestDtype>(
+    buf: &B::Buf<T>,
+    offset: usize,
+    (rows, d, stride): (usize, usize, usize),
+) -> Rows<In<'_, B, T>> {
+    Rows::with_stride(B::input(buf, offset), rows, d, stride).unwrap()
+}
+
+/// [`rows_of`], writable.
+fn rows_of_mut<B: Backend, T: TestDtype>(
+    buf: &mut B::Buf<T>,
+    offset: usize,
+    (rows, d, stride): (usize, usize, usize),
+) -> Rows<Out<'_, B, T>> {
+    Rows::with_stride(B::output(buf, offset), rows, d, stride).unwrap()
+}
+
+/// A whole buffer as dense `rows × d`.
+fn dense<B: Backend, T: TestDtype>(buf: &B::Buf<T>, rows: usize, d: usize) -> Rows<In<'_, B, T>> {
+    rows_of::<B, T>(buf, 0, (rows, d, d))
+}
+
+/// [`dense`], writable.
+fn dense_mut<B: Backend, T: TestDtype>(
+    buf: &mut B::Buf<T>,
+    rows: usize,
+    d: usize,
+) -> Rows<Out<'_, B, T>> {
+    rows_of_mut::<B, T>(buf, 0, (rows, d, d))
+}
+
+/// Gated inputs of packed `[rows, 2·d]` rows: as two strided views, or as the packed rows.
+fn gated_input<B: Backend, T: TestDtype>(
+    ab: &B::Buf<T>,
+    (rows, d): (usize, usize),
+    packed: bool,
+) -> GatedInput<'_, B::Exec, T> {
+    if packed {
+        GatedInput::Packed(dense::<B, T>(ab, rows, 2 * d))
+    } else {
+        GatedInput::Separate {
+            a: rows_of::<B, T>(ab, 0, (rows, d, 2 * d)),
+            b: rows_of::<B, T>(ab, d, (rows, d, 2 * d)),
+        }
+    }
+}
+
 /// One elementwise problem on strided rows.
 struct Case<T> {
     rows: usize,
@@ -151,8 +202,22 @@ impl<T: TestDtype> Case<T> {
         }
     }
 
-    fn rows_of<'a>(&self, v: &'a [T]) -> Rows<&'a [T]> {
-        Rows::with_stride(&v[self.offset..], self.rows, self.d, self.stride).unwrap()
+    /// The case's rows of a backend's buffer.
+    fn view<'b, B: Backend>(&self, buf: &'b B::Buf<T>) -> Rows<In<'b, B, T>> {
+        rows_of::<B, T>(buf, self.offset, (self.rows, self.d, self.stride))
+    }
+
+    /// [`Case::view`], writable.
+    fn view_mut<'b, B: Backend>(&self, buf: &'b mut B::Buf<T>) -> Rows<Out<'b, B, T>> {
+        rows_of_mut::<B, T>(buf, self.offset, (self.rows, self.d, self.stride))
+    }
+
+    /// Whether element `i` of the case's buffers lies in its rows.
+    fn inside(&self, i: usize) -> bool {
+        let Some(i) = i.checked_sub(self.offset) else {
+            return false;
+        };
+        i % self.stride < self.d && i / self.stride < self.rows
     }
 
     fn gather(&self, v: &[T]) -> Vec<f64> {
@@ -175,21 +240,31 @@ impl<T: TestDtype> Case<T> {
         );
     }
 
-    fn expect_forward(&self, act: Activation, y: &[T]) {
+    /// Asserts `got` still holds `before` everywhere outside the case's rows.
+    fn expect_untouched(&self, what: &str, got: &[T], before: &[T]) {
+        for (i, (g, b)) in got.iter().zip(before).enumerate() {
+            assert!(
+                self.inside(i) || g.bits() == b.bits(),
+                "{what}: written outside the rows at {i}"
+            );
+        }
+    }
+
+    fn expect_forward(&self, what: &str, act: Activation, y: &[T]) {
         let x = self.gather(&self.x);
-        self.check(&format!("{act:?} forward"), y, |i| {
+        self.check(&format!("{what} forward"), y, |i| {
             reference::apply(act, x[i])
         });
     }
 
-    fn expect_backward(&self, act: Activation, dx: &[T]) {
+    fn expect_backward(&self, what: &str, act: Activation, dx: &[T]) {
         let (x, dy) = (self.gather(&self.x), self.gather(&self.dy));
-        self.check(&format!("{act:?} backward"), dx, |i| {
+        self.check(&format!("{what} backward"), dx, |i| {
             dy[i] * reference::grad(act, x[i])
         });
     }
 
-    fn expect_dbias(&self, act: Activation, dbias: &[T]) {
+    fn expect_dbias(&self, what: &str, act: Activation, dbias: &[T]) {
         let (x, dy) = (self.gather(&self.x), self.gather(&self.dy));
         let want: Vec<f64> = (0..self.d)
             .map(|j| {
@@ -201,7 +276,7 @@ impl<T: TestDtype> Case<T> {
         let (rel, abs) = T::TOLERANCE;
         let growth = 1.0 + (self.rows as f64).sqrt() * f32::EPSILON as f64 / rel;
         assert_close::<T>(
-            &format!("{act:?} dbias"),
+            &format!("{what} dbias"),
             &to_f64(dbias),
             &want,
             rel * growth,
@@ -210,430 +285,249 @@ impl<T: TestDtype> Case<T> {
     }
 }
 
-fn emulated<T: TestDtype>() {
-    let mut rng = Rng::fresh(&format!("activation_emulator_{}", T::NAME));
-    let emu = Emulator::new();
-    for (rows, d, stride, offset) in [
-        (3, 7, 7, 0),
-        (17, 64, 72, 0),
-        (5, 33, 40, 1),
-        (40, 16, 16, 0),
-    ] {
+/// Forward, backward, in-place backward and backward with dbias of one case on `backend`, into
+/// poisoned outputs: each against the reference, nothing written outside the rows, and the three
+/// backwards' dx the same bits. Returns dbias.
+fn elementwise<B: Backend, T: TestDtype>(backend: &B, case: &Case<T>, act: Activation) -> Vec<T> {
+    let exec = backend.exec();
+    let what = format!("{} {act:?}", backend.name());
+    let (x, dy) = (backend.upload(&case.x), backend.upload(&case.dy));
+    let poison = vec![T::poison(); case.x.len()];
+    let mut y = backend.upload(&poison);
+    let forward = Forward::new(act, case.view::<B>(&x), case.view_mut::<B>(&mut y));
+    activation::forward(exec, forward).unwrap();
+    let mut dx = backend.upload(&poison);
+    let (dy_rows, x_rows) = (case.view::<B>(&dy), case.view::<B>(&x));
+    let backward = Backward::new(act, dy_rows, x_rows, case.view_mut::<B>(&mut dx));
+    activation::backward(exec, backward).unwrap();
+    let mut in_place = backend.upload(&case.dy);
+    let backward = Backward::in_place(act, case.view_mut::<B>(&mut in_place), case.view::<B>(&x));
+    activation::backward(exec, backward).unwrap();
+    let mut dx2 = backend.upload(&poison);
+    let mut dbias = backend.upload(&vec![T::poison(); case.d]);
+    // NaN, so a partial the column sum reads before the backward wrote it shows in dbias.
+    let workspace_len = activation::workspace_len(case.rows, case.d).unwrap();
+    let mut workspace = backend.upload(&vec![f32::NAN; workspace_len]);
+    let (dy_rows, x_rows) = (case.view::<B>(&dy), case.view::<B>(&x));
+    let backward = Backward::new(act, dy_rows, x_rows, case.view_mut::<B>(&mut dx2))
+        .dbias(B::output(&mut dbias, 0), B::output(&mut workspace, 0));
+    activation::backward(exec, backward).unwrap();
+    let [y, dx, in_place, dx2] = [&y, &dx, &in_place, &dx2].map(|buf| backend.download(buf));
+    let dbias = backend.download(&dbias);
+    case.expect_forward(&what, act, &y);
+    case.expect_backward(&what, act, &dx);
+    case.expect_untouched(&format!("{what} forward"), &y, &poison);
+    case.expect_untouched(&format!("{what} backward"), &dx, &poison);
+    case.expect_untouched(&format!("{what} in-place backward"), &in_place, &case.dy);
+    for i in (0..dx.len()).filter(|&i| case.inside(i)) {
+        assert_eq!(
+            in_place[i].bits(),
+            dx[i].bits(),
+            "{what}: in-place backward differs at {i}"
+        );
+    }
+    assert!(
+        same_bits(&dx2, &dx),
+        "{what}: dx of the dbias backward differs from the plain backward"
+    );
+    case.expect_dbias(&what, act, &dbias);
+    dbias
+}
+
+/// `(rows, d, stride, offset)` of the cases a test runs.
+type Shape = (usize, usize, usize, usize);
+
+/// [`elementwise`] for each activation of `acts` on each shape, on every one of `backends`: dbias
+/// is the same bits on all of them (they differ in grid, or are one run again).
+fn matches_reference<B: Backend, T: TestDtype>(
+    backends: &[B],
+    shapes: &[Shape],
+    acts: &[Activation],
+) {
+    let mut rng = Rng::fresh(&format!("activation_{}_{}", backends[0].name(), T::NAME));
+    for &(rows, d, stride, offset) in shapes {
         let case = Case::<T>::new(&mut rng, rows, d, stride, offset);
-        for act in ALL {
-            let mut y = vec![T::poison(); case.x.len()];
-            emu.activation_forward(
-                act,
-                &case.rows_of(&case.x),
-                &mut Rows::with_stride(&mut y[offset..], rows, d, stride).unwrap(),
-            )
-            .unwrap();
-            case.expect_forward(act, &y);
-            let mut dx = vec![T::poison(); case.x.len()];
-            emu.activation_backward(
-                act,
-                &case.rows_of(&case.dy),
-                &case.rows_of(&case.x),
-                &mut Rows::with_stride(&mut dx[offset..], rows, d, stride).unwrap(),
-            )
-            .unwrap();
-            case.expect_backward(act, &dx);
-            // dbias, on two grids: the same bits.
-            let mut results = Vec::new();
-            for emu in [Emulator::new(), Emulator::new().with_grid_limit(1).unwrap()] {
-                let mut dx2 = vec![T::poison(); case.x.len()];
-                let mut dbias = vec![T::poison(); d];
-                let ws_len = activation::workspace_len(rows, d);
-                let mut ws = aligned_f32(ws_len);
-                emu.activation_backward_dbias(
-                    act,
-                    &case.rows_of(&case.dy),
-                    &case.rows_of(&case.x),
-                    &mut Rows::with_stride(&mut dx2[offset..], rows, d, stride).unwrap(),
-                    &mut dbias,
-                    floats_mut(&mut ws, ws_len),
-                )
-                .unwrap();
-                assert!(
-                    same_bits(&dx2, &dx),
-                    "{act:?}: dx of the dbias variant differs from the plain backward"
-                );
-                case.expect_dbias(act, &dbias);
-                results.push(dbias);
-            }
+        for &act in acts {
+            let dbias: Vec<Vec<T>> = backends
+                .iter()
+                .map(|backend| elementwise(backend, &case, act))
+                .collect();
             assert!(
-                same_bits(&results[0], &results[1]),
-                "{act:?}: dbias depends on the grid"
+                dbias.iter().all(|other| same_bits(other, &dbias[0])),
+                "{act:?} {rows}×{d}: dbias differs from run to run or grid to grid"
             );
         }
     }
 }
 
+/// Small enough for the emulator: a ragged row, padded rows, an offset of one element (single
+/// element access) and 40 rows (3 dbias groups).
+const EMULATOR_SHAPES: [Shape; 4] = [
+    (3, 7, 7, 0),
+    (17, 64, 72, 0),
+    (5, 33, 40, 1),
+    (40, 16, 16, 0),
+];
+
+fn emulator_matches_reference<T: TestDtype>() {
+    // The default grid, and one block walking every tile and group.
+    let backends = [
+        Host(Emulator::new()),
+        Host(Emulator::new().with_grid_limit(1).unwrap()),
+    ];
+    matches_reference::<_, T>(&backends, &EMULATOR_SHAPES, &ALL);
+}
+
 #[test]
 fn emulator_matches_reference_f32() {
-    emulated::<f32>();
+    emulator_matches_reference::<f32>();
 }
 #[test]
 fn emulator_matches_reference_f16() {
-    emulated::<f16>();
+    emulator_matches_reference::<f16>();
 }
 #[test]
 fn emulator_matches_reference_bf16() {
-    emulated::<bf16>();
+    emulator_matches_reference::<bf16>();
 }
 
-fn emulated_gated<T: TestDtype>() {
-    let mut rng = Rng::fresh(&format!("gated_emulator_{}", T::NAME));
-    let emu = Emulator::new();
-    let (rows, d) = (9, 24);
+const GPU_SHAPES: [Shape; 5] = [
+    (4096, 4096, 4096, 0),
+    (1000, 1000, 1000, 0),
+    (333, 4100, 4104, 1),
+    (64, 7, 9, 0),
+    (1, 65536, 65536, 0),
+];
+
+fn gpu_matches_reference<T: TestDtype>() {
+    let Some(gpu) = Device::shared() else { return };
+    matches_reference::<_, T>(&[gpu], &GPU_SHAPES, &ALL);
+}
+
+#[test]
+fn gpu_matches_reference_f32() {
+    gpu_matches_reference::<f32>();
+}
+#[test]
+fn gpu_matches_reference_f16() {
+    gpu_matches_reference::<f16>();
+}
+#[test]
+fn gpu_matches_reference_bf16() {
+    gpu_matches_reference::<bf16>();
+}
+
+#[test]
+fn gpu_dbias_is_bitwise_repeatable_and_grid_invariant() {
+    let Some((ctx, stream)) = gpu() else { return };
+    let small = Context::from_cuda(ctx.cuda().clone())
+        .unwrap()
+        .with_grid_limit(5)
+        .unwrap();
+    // Three runs on the full grid, then one on 5 blocks.
+    let backends = [
+        Device::new(ctx, stream),
+        Device::new(ctx, stream),
+        Device::new(ctx, stream),
+        Device::new(&small, stream),
+    ];
+    let shape = (16384, 1024, 1024, 0);
+    matches_reference::<_, bf16>(&backends, &[shape], &[Activation::GeluTanh]);
+}
+
+/// Gated forward and backward of `rows × d` on `backend`, with a and b as two strided views of
+/// packed rows and as the packed rows themselves, into poisoned outputs: both forms give the same
+/// bits, which match the reference.
+fn gated_matches_reference<B: Backend, T: TestDtype>(backend: &B, (rows, d): (usize, usize)) {
+    let exec = backend.exec();
+    let mut rng = Rng::fresh(&format!("gated_{}_{}", backend.name(), T::NAME));
     let ab: Vec<T> = rng.vec(rows * 2 * d, -4.0, 4.0);
     let dh: Vec<T> = rng.vec(rows * d, -1.0, 1.0);
-    let abv = Rows::new(&ab[..], rows, 2 * d).unwrap();
-    let a = Rows::with_stride(&ab[..], rows, d, 2 * d).unwrap();
-    let b = Rows::with_stride(&ab[d..], rows, d, 2 * d).unwrap();
+    let (ab_buf, dh_buf) = (backend.upload(&ab), backend.upload(&dh));
     for act in ALL {
-        let mut h = vec![T::poison(); rows * d];
-        emu.gated_forward(act, &a, &b, &mut Rows::new(&mut h[..], rows, d).unwrap())
-            .unwrap();
-        let mut dab = vec![T::poison(); rows * 2 * d];
-        emu.gated_backward_packed(
-            act,
-            &Rows::new(&dh[..], rows, d).unwrap(),
-            &abv,
-            &mut Rows::new(&mut dab[..], rows, 2 * d).unwrap(),
-        )
-        .unwrap();
+        let what = format!("{} {act:?}", backend.name());
+        let poison = vec![T::poison(); rows * d];
+        let [mut h, mut h2, mut da, mut db] = [(); 4].map(|()| backend.upload(&poison));
+        let mut dab = backend.upload(&vec![T::poison(); rows * 2 * d]);
+        for (packed, h) in [(false, &mut h), (true, &mut h2)] {
+            let forward = GatedForward {
+                activation: act,
+                input: gated_input::<B, T>(&ab_buf, (rows, d), packed),
+                h: dense_mut::<B, T>(h, rows, d),
+            };
+            activation::gated_forward(exec, forward).unwrap();
+        }
+        let separate = GatedGrad::Separate {
+            da: dense_mut::<B, T>(&mut da, rows, d),
+            db: dense_mut::<B, T>(&mut db, rows, d),
+        };
+        let packed = GatedGrad::Packed(dense_mut::<B, T>(&mut dab, rows, 2 * d));
+        for (packed, grad) in [(false, separate), (true, packed)] {
+            let backward = GatedBackward {
+                activation: act,
+                dh: dense::<B, T>(&dh_buf, rows, d),
+                input: gated_input::<B, T>(&ab_buf, (rows, d), packed),
+                grad,
+            };
+            activation::gated_backward(exec, backward).unwrap();
+        }
+        let [h, h2, da, db, dab] = [&h, &h2, &da, &db, &dab].map(|buf| backend.download(buf));
+        assert!(
+            same_bits(&h, &h2),
+            "{what}: packed and separate gated forward differ"
+        );
+        assert!(
+            same_bits(&gather_bits(&dab, rows, d, 2 * d, 0), &da)
+                && same_bits(&gather_bits(&dab, rows, d, 2 * d, d), &db),
+            "{what}: packed and separate gated backward differ"
+        );
         check_gated(
+            &what,
             act,
-            &ab,
-            &dh,
-            rows,
-            d,
-            [
-                &to_f64(&h),
-                &gather_rows(&dab, rows, d, 2 * d),
-                &gather_rows(&dab[d..], rows, d, 2 * d),
-            ],
+            (&ab, &dh),
+            (rows, d),
+            [&to_f64(&h), &to_f64(&da), &to_f64(&db)],
         );
     }
 }
 
 #[test]
 fn emulator_gated_matches_reference_f32() {
-    emulated_gated::<f32>();
+    gated_matches_reference::<_, f32>(&Host(Emulator::new()), (9, 24));
 }
 #[test]
 fn emulator_gated_matches_reference_f16() {
-    emulated_gated::<f16>();
+    gated_matches_reference::<_, f16>(&Host(Emulator::new()), (9, 24));
 }
 #[test]
 fn emulator_gated_matches_reference_bf16() {
-    emulated_gated::<bf16>();
+    gated_matches_reference::<_, bf16>(&Host(Emulator::new()), (9, 24));
+}
+
+fn gpu_gated_matches_reference<T: TestDtype>() {
+    let Some(gpu) = Device::shared() else { return };
+    gated_matches_reference::<_, T>(&gpu, (2048, 2816));
 }
 
 #[test]
-fn bad_arguments_are_rejected() {
-    let emu = Emulator::new();
-    let x = [1.0f32; 64];
-    let mut y = [f32::NAN; 64];
-    let r = emu.activation_forward(
-        Activation::Silu,
-        &Rows::new(&x[..], 4, 16).unwrap(),
-        &mut Rows::new(&mut y[..], 4, 8).unwrap(),
-    );
-    assert!(matches!(r, Err(Error::Shape { what: "y", .. })), "{r:?}");
-    let mut dbias = [f32::NAN; 15];
-    let mut ws = [0.0f32; 1];
-    let r = emu.activation_backward_dbias(
-        Activation::Silu,
-        &Rows::new(&x[..], 4, 16).unwrap(),
-        &Rows::new(&x[..], 4, 16).unwrap(),
-        &mut Rows::new(&mut y[..], 4, 16).unwrap(),
-        &mut dbias,
-        &mut ws,
-    );
-    assert!(
-        matches!(r, Err(Error::Length { what: "dbias", .. })),
-        "{r:?}"
-    );
-    let mut dbias = [f32::NAN; 16];
-    let r = emu.activation_backward_dbias(
-        Activation::Silu,
-        &Rows::new(&x[..], 4, 16).unwrap(),
-        &Rows::new(&x[..], 4, 16).unwrap(),
-        &mut Rows::new(&mut y[..], 4, 16).unwrap(),
-        &mut dbias,
-        &mut ws,
-    );
-    assert!(matches!(r, Err(Error::WorkspaceTooSmall { .. })), "{r:?}");
-    let mut dab = [f32::NAN; 64];
-    let r = emu.gated_backward_packed(
-        Activation::Silu,
-        &Rows::new(&x[..], 4, 8).unwrap(),
-        &Rows::new(&x[..], 4, 8).unwrap(),
-        &mut Rows::new(&mut dab[..], 4, 16).unwrap(),
-    );
-    assert!(matches!(r, Err(Error::Shape { what: "ab", .. })), "{r:?}");
-    assert!(
-        y.iter().all(|v| v.is_nan())
-            && dbias.iter().all(|v| v.is_nan())
-            && dab.iter().all(|v| v.is_nan())
-    );
-}
-
-// ---------------------------------------------------------------------------------------------
-// On the GPU.
-
-struct Dev<T> {
-    x: normkern::cudarc::driver::CudaSlice<T>,
-    dy: normkern::cudarc::driver::CudaSlice<T>,
-}
-
-fn upload<T: TestDtype>(stream: &Arc<CudaStream>, case: &Case<T>) -> Dev<T> {
-    Dev {
-        x: stream.clone_htod(&case.x).unwrap(),
-        dy: stream.clone_htod(&case.dy).unwrap(),
-    }
-}
-
-/// Forward, backward, in-place backward and dbias backward of one case on the GPU; returns dbias.
-fn gpu_case<T: TestDtype>(
-    ctx: &Context,
-    stream: &Arc<CudaStream>,
-    case: &Case<T>,
-    act: Activation,
-) -> Vec<T> {
-    let (rows, d, s, o) = (case.rows, case.d, case.stride, case.offset);
-    let dev = upload(stream, case);
-    let poison = vec![T::poison(); case.x.len()];
-    let mut y = stream.clone_htod(&poison).unwrap();
-    activation::forward(
-        ctx,
-        stream,
-        act,
-        &view(&dev.x, case),
-        &mut Rows::with_stride(y.slice_mut(o..), rows, d, s).unwrap(),
-    )
-    .unwrap();
-    let mut dx = stream.clone_htod(&poison).unwrap();
-    activation::backward(
-        ctx,
-        stream,
-        act,
-        &view(&dev.dy, case),
-        &view(&dev.x, case),
-        &mut Rows::with_stride(dx.slice_mut(o..), rows, d, s).unwrap(),
-    )
-    .unwrap();
-    let mut in_place = stream.clone_htod(&case.dy).unwrap();
-    activation::backward_in_place(
-        ctx,
-        stream,
-        act,
-        &mut Rows::with_stride(in_place.slice_mut(o..), rows, d, s).unwrap(),
-        &view(&dev.x, case),
-    )
-    .unwrap();
-    let mut dx2 = stream.clone_htod(&poison).unwrap();
-    let mut dbias = stream.clone_htod(&vec![T::poison(); d]).unwrap();
-    let mut ws = stream
-        .alloc_zeros::<f32>(activation::workspace_len(rows, d).max(1))
-        .unwrap();
-    activation::backward_dbias(
-        ctx,
-        stream,
-        act,
-        &view(&dev.dy, case),
-        &view(&dev.x, case),
-        &mut Rows::with_stride(dx2.slice_mut(o..), rows, d, s).unwrap(),
-        &mut dbias.as_view_mut(),
-        &mut ws.as_view_mut(),
-    )
-    .unwrap();
-    stream.synchronize().unwrap();
-    let (y, dx, in_place, dx2, dbias) = (
-        stream.clone_dtoh(&y).unwrap(),
-        stream.clone_dtoh(&dx).unwrap(),
-        stream.clone_dtoh(&in_place).unwrap(),
-        stream.clone_dtoh(&dx2).unwrap(),
-        stream.clone_dtoh(&dbias).unwrap(),
-    );
-    case.expect_forward(act, &y);
-    case.expect_backward(act, &dx);
-    let inside = |i: usize| i >= o && (i - o) % s < d && (i - o) / s < rows;
-    for i in 0..case.x.len() {
-        if inside(i) {
-            assert_eq!(
-                in_place[i].bits(),
-                dx[i].bits(),
-                "{act:?}: in-place backward differs at {i}"
-            );
-        } else {
-            assert_eq!(
-                y[i].bits(),
-                T::poison().bits(),
-                "{act:?}: y written outside the rows at {i}"
-            );
-        }
-    }
-    assert!(
-        same_bits(&dx2, &dx),
-        "{act:?}: dx of the dbias variant differs"
-    );
-    case.expect_dbias(act, &dbias);
-    dbias
-}
-
-fn gpu_shapes<T: TestDtype>() {
-    let Some((ctx, stream)) = gpu() else { return };
-    let mut rng = Rng::fresh(&format!("activation_gpu_{}", T::NAME));
-    for (rows, d, stride, offset) in [
-        (4096, 4096, 4096, 0),
-        (1000, 1000, 1000, 0),
-        (333, 4100, 4104, 1),
-        (64, 7, 9, 0),
-        (1, 65536, 65536, 0),
-    ] {
-        let case = Case::<T>::new(&mut rng, rows, d, stride, offset);
-        for act in ALL {
-            gpu_case(ctx, stream, &case, act);
-        }
-    }
-}
-
-#[test]
-fn gpu_matches_reference_f32() {
-    gpu_shapes::<f32>();
+fn gpu_gated_matches_reference_f32() {
+    gpu_gated_matches_reference::<f32>();
 }
 #[test]
-fn gpu_matches_reference_f16() {
-    gpu_shapes::<f16>();
+fn gpu_gated_matches_reference_f16() {
+    gpu_gated_matches_reference::<f16>();
 }
 #[test]
-fn gpu_matches_reference_bf16() {
-    gpu_shapes::<bf16>();
-}
-
-#[test]
-fn gpu_dbias_is_bitwise_repeatable_and_grid_invariant() {
-    let Some((ctx, stream)) = gpu() else { return };
-    let mut rng = Rng::fresh("activation_gpu_determinism");
-    let small = Context::from_cuda(ctx.cuda().clone())
-        .unwrap()
-        .with_grid_limit(5)
-        .unwrap();
-    let case = Case::<bf16>::new(&mut rng, 16384, 1024, 1024, 0);
-    let first = gpu_case(ctx, stream, &case, Activation::GeluTanh);
-    for run in 1..3 {
-        assert!(
-            same_bits(&gpu_case(ctx, stream, &case, Activation::GeluTanh), &first),
-            "dbias run {run} differs"
-        );
-    }
-    assert!(
-        same_bits(
-            &gpu_case(&small, stream, &case, Activation::GeluTanh),
-            &first
-        ),
-        "dbias depends on the grid"
-    );
-}
-
-#[test]
-fn gpu_gated_packed_and_separate_agree_with_reference() {
-    let Some((ctx, stream)) = gpu() else { return };
-    let mut rng = Rng::fresh("gated_gpu");
-    let (rows, d) = (2048, 2816);
-    let ab: Vec<bf16> = rng.vec(rows * 2 * d, -4.0, 4.0);
-    let dh: Vec<bf16> = rng.vec(rows * d, -1.0, 1.0);
-    let (abd, dhd) = (
-        stream.clone_htod(&ab).unwrap(),
-        stream.clone_htod(&dh).unwrap(),
-    );
-    for act in ALL {
-        let mut h = stream.clone_htod(&vec![bf16::poison(); rows * d]).unwrap();
-        let mut h2 = stream.clone_htod(&vec![bf16::poison(); rows * d]).unwrap();
-        let a = Rows::with_stride(abd.slice(..), rows, d, 2 * d).unwrap();
-        let b = Rows::with_stride(abd.slice(d..), rows, d, 2 * d).unwrap();
-        activation::gated_forward(
-            ctx,
-            stream,
-            act,
-            &a,
-            &b,
-            &mut Rows::new(h.as_view_mut(), rows, d).unwrap(),
-        )
-        .unwrap();
-        let abv = Rows::new(abd.as_view(), rows, 2 * d).unwrap();
-        activation::gated_forward_packed(
-            ctx,
-            stream,
-            act,
-            &abv,
-            &mut Rows::new(h2.as_view_mut(), rows, d).unwrap(),
-        )
-        .unwrap();
-        let mut dab = stream
-            .clone_htod(&vec![bf16::poison(); rows * 2 * d])
-            .unwrap();
-        let dhv = Rows::new(dhd.as_view(), rows, d).unwrap();
-        activation::gated_backward_packed(
-            ctx,
-            stream,
-            act,
-            &dhv,
-            &abv,
-            &mut Rows::new(dab.as_view_mut(), rows, 2 * d).unwrap(),
-        )
-        .unwrap();
-        let mut da = stream.clone_htod(&vec![bf16::poison(); rows * d]).unwrap();
-        let mut db = stream.clone_htod(&vec![bf16::poison(); rows * d]).unwrap();
-        activation::gated_backward(
-            ctx,
-            stream,
-            act,
-            &dhv,
-            &a,
-            &b,
-            &mut Rows::new(da.as_view_mut(), rows, d).unwrap(),
-            &mut Rows::new(db.as_view_mut(), rows, d).unwrap(),
-        )
-        .unwrap();
-        stream.synchronize().unwrap();
-        let (h, h2, dab, da, db) = (
-            stream.clone_dtoh(&h).unwrap(),
-            stream.clone_dtoh(&h2).unwrap(),
-            stream.clone_dtoh(&dab).unwrap(),
-            stream.clone_dtoh(&da).unwrap(),
-            stream.clone_dtoh(&db).unwrap(),
-        );
-        assert!(
-            same_bits(&h, &h2),
-            "{act:?}: packed and separate forward differ"
-        );
-        assert!(
-            same_bits(&gather_bits(&dab, rows, d, 2 * d, 0), &da)
-                && same_bits(&gather_bits(&dab, rows, d, 2 * d, d), &db),
-            "{act:?}: packed and separate backward differ"
-        );
-        check_gated(
-            act,
-            &ab,
-            &dh,
-            rows,
-            d,
-            [&to_f64(&h), &to_f64(&da), &to_f64(&db)],
-        );
-    }
+fn gpu_gated_matches_reference_bf16() {
+    gpu_gated_matches_reference::<bf16>();
 }
 
 /// Checks `[h, da, db]` of a gated op on packed `ab` (`rows × 2d`) and `dh` against the reference.
 fn check_gated<T: TestDtype>(
+    what: &str,
     act: Activation,
-    ab: &[T],
-    dh: &[T],
-    rows: usize,
-    d: usize,
+    (ab, dh): (&[T], &[T]),
+    (rows, d): (usize, usize),
     got: [&[f64]; 3],
 ) {
     let mut want = [vec![], vec![], vec![]];
@@ -652,20 +546,13 @@ fn check_gated<T: TestDtype>(
     let (rel, abs) = T::TOLERANCE;
     for ((name, got), want) in ["h", "da", "db"].iter().zip(got).zip(&want) {
         assert_close::<T>(
-            &format!("{act:?} gated {name} [{}]", T::NAME),
+            &format!("{what} gated {name}"),
             got,
             want,
             rel,
             abs * rms(want),
         );
     }
-}
-
-fn view<'a, T: TestDtype>(
-    v: &'a normkern::cudarc::driver::CudaSlice<T>,
-    c: &Case<T>,
-) -> Rows<normkern::cudarc::driver::CudaView<'a, T>> {
-    Rows::with_stride(v.slice(c.offset..), c.rows, c.d, c.stride).unwrap()
 }
 
 fn gather_bits<T: TestDtype>(
@@ -684,76 +571,165 @@ fn gather_bits<T: TestDtype>(
         .collect()
 }
 
+/// Wrong shapes, lengths and workspaces are errors, and a call that fails writes nothing.
+fn rejects_bad_arguments<B: Backend>(backend: &B) {
+    let exec = backend.exec();
+    let act = Activation::Silu;
+    let x = backend.upload(&[1.0f32; 64]);
+    let [mut y, mut h, mut da, mut db, mut dab] = [(); 5].map(|()| backend.upload(&[f32::NAN; 64]));
+    let [mut dbias15, mut dbias16] = [15, 16].map(|n| backend.upload(&vec![f32::NAN; n]));
+    let mut workspace = backend.upload(&[0.0f32; 1]);
+
+    let r = activation::forward(
+        exec,
+        Forward::new(
+            act,
+            dense::<B, f32>(&x, 4, 16),
+            dense_mut::<B, f32>(&mut y, 4, 8),
+        ),
+    );
+    assert!(matches!(r, Err(Error::Shape { what: "y", .. })), "{r:?}");
+    let backward = Backward::new(
+        act,
+        dense::<B, f32>(&x, 4, 16),
+        dense::<B, f32>(&x, 4, 16),
+        dense_mut::<B, f32>(&mut y, 4, 16),
+    );
+    let backward = backward.dbias(B::output(&mut dbias15, 0), B::output(&mut workspace, 0));
+    let r = activation::backward(exec, backward);
+    assert!(
+        matches!(r, Err(Error::Length { what: "dbias", .. })),
+        "{r:?}"
+    );
+    let backward = Backward::new(
+        act,
+        dense::<B, f32>(&x, 4, 16),
+        dense::<B, f32>(&x, 4, 16),
+        dense_mut::<B, f32>(&mut y, 4, 16),
+    );
+    let backward = backward.dbias(B::output(&mut dbias16, 0), B::output(&mut workspace, 0));
+    let r = activation::backward(exec, backward);
+    assert!(matches!(r, Err(Error::WorkspaceTooSmall { .. })), "{r:?}");
+    let backward = Backward::in_place(
+        act,
+        dense_mut::<B, f32>(&mut y, 4, 8),
+        dense::<B, f32>(&x, 4, 16),
+    );
+    let r = activation::backward(exec, backward);
+    assert!(matches!(r, Err(Error::Shape { what: "dy", .. })), "{r:?}");
+    let forward = GatedForward {
+        activation: act,
+        input: GatedInput::Separate {
+            a: dense::<B, f32>(&x, 4, 16),
+            b: dense::<B, f32>(&x, 4, 8),
+        },
+        h: dense_mut::<B, f32>(&mut h, 4, 16),
+    };
+    let r = activation::gated_forward(exec, forward);
+    assert!(matches!(r, Err(Error::Shape { what: "b", .. })), "{r:?}");
+    let backward = GatedBackward {
+        activation: act,
+        dh: dense::<B, f32>(&x, 4, 8),
+        input: GatedInput::Packed(dense::<B, f32>(&x, 4, 8)),
+        grad: GatedGrad::Packed(dense_mut::<B, f32>(&mut dab, 4, 16)),
+    };
+    let r = activation::gated_backward(exec, backward);
+    assert!(matches!(r, Err(Error::Shape { what: "ab", .. })), "{r:?}");
+    let backward = GatedBackward {
+        activation: act,
+        dh: dense::<B, f32>(&x, 4, 8),
+        input: GatedInput::Packed(dense::<B, f32>(&x, 4, 16)),
+        grad: GatedGrad::Separate {
+            da: dense_mut::<B, f32>(&mut da, 4, 8),
+            db: dense_mut::<B, f32>(&mut db, 4, 16),
+        },
+    };
+    let r = activation::gated_backward(exec, backward);
+    assert!(matches!(r, Err(Error::Shape { what: "db", .. })), "{r:?}");
+
+    for buf in [&y, &h, &da, &db, &dab, &dbias15, &dbias16] {
+        let got = backend.download(buf);
+        assert!(
+            got.iter().all(|v| v.is_nan()),
+            "{}: a call that failed wrote an output",
+            backend.name()
+        );
+    }
+}
+
+#[test]
+fn emulator_rejects_bad_arguments() {
+    rejects_bad_arguments(&Host(Emulator::new()));
+}
+
+#[test]
+fn gpu_rejects_bad_arguments() {
+    let Some(gpu) = Device::shared() else { return };
+    rejects_bad_arguments(&gpu);
+}
+
+#[test]
+fn workspace_len_reports_overflow() {
+    let r = activation::workspace_len(1 << 20, 1 << 62);
+    assert!(matches!(r, Err(Error::TooLarge { .. })), "{r:?}");
+}
+
 /// The accuracy table of the docs: every function and derivative run by the GPU kernels over the
 /// dense sweep, per storage dtype, against f64 of the same (dtype-rounded) inputs.
 #[test]
 fn gpu_accuracy_table() {
-    let Some((ctx, stream)) = gpu() else { return };
+    let Some(gpu) = Device::shared() else { return };
     let xs = sweep();
     println!("| function | dtype | max abs error | max rel error (|result| ≥ 1e-30) |");
     println!("|---|---|---:|---:|");
-    fn table<T: TestDtype>(ctx: &Context, stream: &Arc<CudaStream>, xs: &[f32]) {
-        let x: Vec<T> = xs.iter().map(|&v| T::from_f64(v as f64)).collect();
-        let ones = vec![T::from_f64(1.0); x.len()];
-        let n = x.len();
-        let (xd, onesd) = (
-            stream.clone_htod(&x).unwrap(),
-            stream.clone_htod(&ones).unwrap(),
+    accuracy_rows::<_, f32>(&gpu, &xs);
+    accuracy_rows::<_, f16>(&gpu, &xs);
+    accuracy_rows::<_, bf16>(&gpu, &xs);
+}
+
+/// The rows of the accuracy table for dtype `T`: f and f' (a backward of dy = 1) of `xs` as one
+/// row, each element within the dtype's tolerance.
+fn accuracy_rows<B: Backend, T: TestDtype>(backend: &B, xs: &[f32]) {
+    let exec = backend.exec();
+    let x: Vec<T> = xs.iter().map(|&v| T::from_f64(v as f64)).collect();
+    let n = x.len();
+    let (x_buf, ones) = (
+        backend.upload(&x),
+        backend.upload(&vec![T::from_f64(1.0); n]),
+    );
+    let xin = to_f64(&x);
+    for act in ALL {
+        let [mut y, mut dx] = [(); 2].map(|()| backend.upload(&vec![T::poison(); n]));
+        let x_rows = dense::<B, T>(&x_buf, 1, n);
+        let forward = Forward::new(act, x_rows, dense_mut::<B, T>(&mut y, 1, n));
+        activation::forward(exec, forward).unwrap();
+        let (ones_rows, x_rows) = (dense::<B, T>(&ones, 1, n), dense::<B, T>(&x_buf, 1, n));
+        let backward = Backward::new(act, ones_rows, x_rows, dense_mut::<B, T>(&mut dx, 1, n));
+        activation::backward(exec, backward).unwrap();
+        let (y, dx) = (
+            to_f64(&backend.download(&y)),
+            to_f64(&backend.download(&dx)),
         );
-        for act in ALL {
-            let mut y = stream.clone_htod(&vec![T::poison(); n]).unwrap();
-            let mut dx = stream.clone_htod(&vec![T::poison(); n]).unwrap();
-            activation::forward(
-                ctx,
-                stream,
-                act,
-                &Rows::new(xd.as_view(), 1, n).unwrap(),
-                &mut Rows::new(y.as_view_mut(), 1, n).unwrap(),
-            )
-            .unwrap();
-            activation::backward(
-                ctx,
-                stream,
-                act,
-                &Rows::new(onesd.as_view(), 1, n).unwrap(),
-                &Rows::new(xd.as_view(), 1, n).unwrap(),
-                &mut Rows::new(dx.as_view_mut(), 1, n).unwrap(),
-            )
-            .unwrap();
-            let (y, dx) = (
-                stream.clone_dtoh(&y).unwrap(),
-                stream.clone_dtoh(&dx).unwrap(),
+        let f_ref: Vec<f64> = xin.iter().map(|&v| reference::apply(act, v)).collect();
+        let g_ref: Vec<f64> = xin.iter().map(|&v| reference::grad(act, v)).collect();
+        let (fa, fr) = errors(&y, &f_ref);
+        let (ga, gr) = errors(&dx, &g_ref);
+        println!("| {act:?} | {} | {fa:.1e} | {fr:.1e} |", T::NAME);
+        println!("| {act:?}' | {} | {ga:.1e} | {gr:.1e} |", T::NAME);
+        let (rel, _) = T::TOLERANCE;
+        for (i, ((g, w), (gg, gw))) in y.iter().zip(&f_ref).zip(dx.iter().zip(&g_ref)).enumerate() {
+            assert!(
+                (g - w).abs() <= rel * w.abs() + 1e-6,
+                "{act:?}({}) [{}] = {g}, reference {w}",
+                xin[i],
+                T::NAME
             );
-            let xin = to_f64(&x);
-            let f_ref: Vec<f64> = xin.iter().map(|&v| reference::apply(act, v)).collect();
-            let g_ref: Vec<f64> = xin.iter().map(|&v| reference::grad(act, v)).collect();
-            let (fa, fr) = errors(&to_f64(&y), &f_ref);
-            let (ga, gr) = errors(&to_f64(&dx), &g_ref);
-            println!("| {act:?} | {} | {fa:.1e} | {fr:.1e} |", T::NAME);
-            println!("| {act:?}' | {} | {ga:.1e} | {gr:.1e} |", T::NAME);
-            let (rel, _) = T::TOLERANCE;
-            for (i, ((g, w), (gg, gw))) in to_f64(&y)
-                .iter()
-                .zip(&f_ref)
-                .zip(to_f64(&dx).iter().zip(&g_ref))
-                .enumerate()
-            {
-                assert!(
-                    (g - w).abs() <= rel * w.abs() + 1e-6,
-                    "{act:?}({}) [{}] = {g}, reference {w}",
-                    xin[i],
-                    T::NAME
-                );
-                assert!(
-                    (gg - gw).abs() <= rel * gw.abs() + 1e-6,
-                    "{act:?}'({}) [{}] = {gg}, reference {gw}",
-                    xin[i],
-                    T::NAME
-                );
-            }
+            assert!(
+                (gg - gw).abs() <= rel * gw.abs() + 1e-6,
+                "{act:?}'({}) [{}] = {gg}, reference {gw}",
+                xin[i],
+                T::NAME
+            );
         }
     }
-    table::<f32>(ctx, stream, &xs);
-    table::<f16>(ctx, stream, &xs);
-    table::<bf16>(ctx, stream, &xs);
 }

@@ -3,6 +3,8 @@
 //! its clusters behave as sm_90's do.
 
 use normkern_gpu::arch::{self, emu};
+use normkern_gpu::column_sum::{self, COLUMN_SUM_THREADS, COLUMN_SUM_VECTOR, ColumnSumParams};
+use normkern_gpu::kernel::Dtype;
 use normkern_gpu::reduce;
 
 fn expect_error(result: Result<(), emu::EmuError>, kernel: &str, needle: &str) {
@@ -232,9 +234,10 @@ fn column_sums_by_one_or_four_columns_give_the_same_bits() {
             .collect()
     };
     let inputs = [partials(), partials()];
+    let kernel = column_sum::KERNELS.find(&Dtype::F32).unwrap();
     let sum = |columns: usize| {
         let outs = [vec![f32::NAN; d], vec![f32::NAN; d]];
-        let p = reduce::ColumnSumParams {
+        let p = ColumnSumParams {
             partials: inputs[0].as_ptr() as u64,
             out: outs[0].as_ptr() as u64,
             partials2: inputs[1].as_ptr() as u64,
@@ -243,12 +246,15 @@ fn column_sums_by_one_or_four_columns_give_the_same_bits() {
             d: d as u32,
             columns: columns as u32,
         };
-        let body = reduce::column_sum_body(normkern_gpu::variant::Dtype::F32);
-        let shared_bytes = reduce::COLUMN_SUM_THREADS * 4 * columns;
+        // Exactly the words this width uses, so a store past them is reported; the host
+        // launches with the table's size, which must cover the widest.
+        let shared_bytes = COLUMN_SUM_THREADS * 4 * columns;
+        assert!(shared_bytes <= (kernel.shared_bytes)(COLUMN_SUM_THREADS));
+        let body = kernel.body;
         emu::launch(
-            "column_sum",
+            kernel.name,
             3,
-            reduce::COLUMN_SUM_THREADS,
+            COLUMN_SUM_THREADS,
             1,
             shared_bytes,
             &|| unsafe { body(&p) },
@@ -256,7 +262,7 @@ fn column_sums_by_one_or_four_columns_give_the_same_bits() {
         .unwrap();
         outs
     };
-    let (one, four) = (sum(1), sum(reduce::COLUMN_SUM_VECTOR));
+    let (one, four) = (sum(1), sum(COLUMN_SUM_VECTOR));
     for (i, partials) in inputs.iter().enumerate() {
         for j in 0..d {
             let exact: f64 = (0..groups).map(|g| partials[g * d + j] as f64).sum();
