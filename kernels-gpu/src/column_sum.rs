@@ -86,8 +86,8 @@ pub const COLUMN_SUM_VECTOR: usize = 4;
 ///
 /// Every column is summed in the same order whatever `columns` is (its slice's groups in order,
 /// then the slices in order), so the two give the same bits: the vector one is the same sum with
-/// a quarter of the loads and slabs four times wider. At 1024×65536 (45 groups) the one-column
-/// sum took 25 µs per parameter (H200, ncu), latency-bound walking 2048 slabs of 32 columns.
+/// a quarter of the loads and slabs four times wider: wide rows' one-column sums were
+/// latency-bound walking thousands of slabs of 32 columns (`bench-results/h200.md`).
 ///
 /// # Safety
 /// The params describe valid buffers.
@@ -193,10 +193,10 @@ fn column_sum_shared_bytes(threads: usize) -> usize {
 /// The column sums, by output dtype.
 #[cfg(not(target_arch = "nvptx64"))]
 pub static KERNELS: Table<Dtype, ColumnSumParams> = Table(&[&[&[
-    crate::kernel::kernel!(table "column_sum_f32", Dtype::F32, 80, column_sum_shared_bytes, false,
+    crate::kernel::kernel!(table "column_sum_f32", Dtype::F32, 80, column_sum_shared_bytes, false, 0,
         column_sum::<crate::element::F32>),
-    crate::kernel::kernel!(table "column_sum_f16", Dtype::F16, 80, column_sum_shared_bytes, false,
+    crate::kernel::kernel!(table "column_sum_f16", Dtype::F16, 80, column_sum_shared_bytes, false, 0,
         column_sum::<crate::element::F16>),
-    crate::kernel::kernel!(table "column_sum_bf16", Dtype::Bf16, 80, column_sum_shared_bytes, false,
+    crate::kernel::kernel!(table "column_sum_bf16", Dtype::Bf16, 80, column_sum_shared_bytes, false, 0,
         column_sum::<crate::element::Bf16>),
 ]]]);

@@ -48,6 +48,9 @@ pub struct Kernel<K: 'static, P: 'static> {
     /// Whether that can exceed the 48 KiB every kernel may use: the function must opt into the
     /// device's own limit when it is loaded.
     pub large_shared: bool,
+    /// Registers per thread ptxas may use (`.maxnreg`, which `cargo xtask build-ptx` writes into
+    /// the entry), or 0 for ptxas's own choice.
+    pub max_registers: u32,
     /// The body, for the emulator; the same generic instance the PTX entry runs.
     pub body: unsafe fn(&P),
 }
@@ -80,6 +83,7 @@ pub struct Entry {
     pub name: &'static str,
     pub min_arch: u32,
     pub large_shared: bool,
+    pub max_registers: u32,
     /// The kernel's identity: the address of its table entry.
     pub id: usize,
 }
@@ -96,6 +100,7 @@ impl<K, P> Kernel<K, P> {
             name: self.name,
             min_arch: self.min_arch,
             large_shared: self.large_shared,
+            max_registers: self.max_registers,
             id: self.id(),
         }
     }
@@ -118,13 +123,15 @@ macro_rules! kernel {
             }
         };
     };
-    (table $name:expr, $key:expr, $min_arch:expr, $shared:expr, $large:expr, $($instance:tt)*) => {
+    (table $name:expr, $key:expr, $min_arch:expr, $shared:expr, $large:expr, $registers:expr,
+        $($instance:tt)*) => {
         $crate::kernel::Kernel {
             name: $name,
             key: $key,
             min_arch: $min_arch,
             shared_bytes: $shared,
             large_shared: $large,
+            max_registers: $registers,
             body: $($instance)*,
         }
     };

@@ -37,7 +37,7 @@ const MAILBOX_SLOTS: usize = 2 * MAX_LEAD + 2;
 /// Most calls started between a call's [`RowReducer::start`] and its [`RowReducer::finish`]. The
 /// kernels finish each call before starting the next (pass 1 of a row starts its sums, pass 2
 /// finishes them); starting the next row's sums first, to overlap the exchange with a pass,
-/// measured no faster (H200, 1024×65536 backward), so one call of lead is all that is kept.
+/// measured no faster (`bench-results/h200.md`), so one call of lead is all that is kept.
 pub const MAX_LEAD: usize = 1;
 /// The cluster's mailboxes: per slot, one word per block per value, written by the blocks of the
 /// cluster.

@@ -21,7 +21,10 @@ pub trait Backend {
     /// The buffer's contents, after every launch so far has finished.
     fn download<T: TestDtype>(&self, buf: &Self::Buf<T>) -> Vec<T>;
     /// The buffer from element `offset` on, as an input.
-    fn input<T: TestDtype>(buf: &Self::Buf<T>, offset: usize) -> <Self::Exec as Executor>::In<'_, T>;
+    fn input<T: TestDtype>(
+        buf: &Self::Buf<T>,
+        offset: usize,
+    ) -> <Self::Exec as Executor>::In<'_, T>;
     /// The buffer from element `offset` on, as an output.
     fn output<T: TestDtype>(
         buf: &mut Self::Buf<T>,

@@ -77,7 +77,8 @@ fn compile_ptx(arch: &str) -> Result<String> {
         },
         "-Zunstable-options".into(),
         "-Cpanic=immediate-abort".into(),
-        // Keep per-thread register tiles unrolled (no local memory): see NVPTX-RUST.md.
+        // Keep per-thread register tiles unrolled: LLVM's default threshold leaves loops over
+        // them rolled, which puts the tiles in local memory (a stack frame in the ptxas report).
         "-C llvm-args=-unroll-threshold=4000".into(),
         format!("--remap-path-prefix={}=.", root.display()),
     ]
@@ -111,22 +112,14 @@ fn compile_ptx(arch: &str) -> Result<String> {
     Ok(with_register_budgets(&ptx))
 }
 
-/// Register budgets (`.maxnreg`) for kernels whose natural allocation would cost a resident block:
-/// an SM has 65536 registers, so a 256-thread block at 129–255 registers runs alone on its SM, at
-/// 65–128 two fit, at 49–64 four, at 48 five. A row kernel keeps one row in flight per block, so
-/// resident blocks are its bytes in flight. An entry `(family, tile, budget)` matches the entry
-/// `{family}_{dtype}_{tile}`. Every budget must leave ptxas without spills (`cargo xtask ptxas`).
-const REGISTER_BUDGETS: &[(&str, &str, u32)] = &[
-    // LayerNorm's 2-pack backward tile (d = 2048..4096 at 16 bits): its dβ partials and μ took it
-    // to 153–161 registers, one block per SM; it fits 128 without spilling.
-    ("layer_norm_bwd", "v2", 128),
-    // LayerNorm's 2-pack forward tile prefetches the next row (it waits on two reductions per
-    // row): 72 registers for sm_90; 64 keep four blocks resident without spills (56 spill).
-    ("layer_norm_fwd", "v2", 64),
-];
-
-/// Inserts the [`REGISTER_BUDGETS`] directives after the parameter lists of the matching entries.
+/// Writes the register budgets the kernel tables declare (`Kernel::max_registers`, `.maxnreg`)
+/// after the parameter lists of their entries: a kernel whose natural allocation would cost a
+/// resident block gets one. Every budget must leave ptxas without spills (`cargo xtask ptxas`).
 fn with_register_budgets(ptx: &str) -> String {
+    let budgets: std::collections::HashMap<&str, u32> = normkern_gpu::kernels()
+        .filter(|k| k.max_registers > 0)
+        .map(|k| (k.name, k.max_registers))
+        .collect();
     let mut out = String::with_capacity(ptx.len() + 4096);
     let mut pending: Option<u32> = None;
     for line in ptx.lines() {
@@ -134,16 +127,7 @@ fn with_register_budgets(ptx: &str) -> String {
             .strip_prefix(".visible .entry ")
             .and_then(|rest| rest.strip_suffix('('))
         {
-            pending = REGISTER_BUDGETS
-                .iter()
-                .find(|(family, tile, _)| {
-                    let dtype = name
-                        .strip_prefix(family)
-                        .and_then(|rest| rest.strip_suffix(tile))
-                        .unwrap_or_default();
-                    ["_f32_", "_f16_", "_bf16_"].contains(&dtype)
-                })
-                .map(|b| b.2);
+            pending = budgets.get(name).copied();
         }
         if line == "{"
             && let Some(budget) = pending.take()

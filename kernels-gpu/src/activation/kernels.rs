@@ -61,7 +61,7 @@ fn pick<const N: usize>(k: usize, bases: &[u64; N], strides: &[u64; N]) -> (u64,
 /// with `IN` row inputs and `OUT` row outputs, each on its own stride. Accesses are spread over all
 /// blocks in tiles of `block_dim · UNROLL` consecutive accesses (thread `t` takes accesses `t`,
 /// `t + block_dim`, …: coalesced), tiles by grid stride. The host launches one block per tile:
-/// a persistent grid loses its last, partly filled trip (about 10 % at 64Mi elements, measured).
+/// a persistent grid loses its last, partly filled trip (measured: `bench-results/h200.md`).
 /// All loads of a tile are issued before any result is computed, so a thread keeps
 /// `UNROLL · IN · 16` bytes in flight; [`Family::unroll`] keeps that near 64 to 128 bytes, in
 /// registers.
@@ -178,7 +178,7 @@ fn elementwise_tile<
 /// `y = f(x)`. Launch any grid of any block size (a multiple of 32).
 ///
 /// # Safety
-/// The params describe valid buffers laid out as the variant requires.
+/// The params describe valid buffers laid out as the kernel's key requires.
 #[inline(always)]
 pub unsafe fn forward<T: Element, const VEC: bool, const ACT: u32>(p: &Params) {
     elementwise::<T, VEC, 1, 1, { Family::Forward.unroll() }>(p, |[x]| [apply_stored::<T, ACT>(x)]);

@@ -102,7 +102,7 @@ macro_rules! activation_kernels {
                 dtype: Dtype::$t,
                 vec: $vec,
             },
-            80, no_shared, false,
+            80, no_shared, false, 0,
             $body::<$crate::element::$t, $vec, { Activation::$act as u32 }>)
     };
 }

@@ -55,7 +55,8 @@ use backward::backward;
 use forward::forward;
 #[cfg(not(target_arch = "nvptx64"))]
 use policy::{
-    backward_large_shared, backward_shared_bytes, forward_large_shared, forward_shared_bytes,
+    backward_large_shared, backward_register_budget, backward_shared_bytes, forward_large_shared,
+    forward_register_budget, forward_shared_bytes,
 };
 
 /// Which norm.
@@ -109,7 +110,8 @@ pub struct NormKey {
 macro_rules! norm_kernels {
     (
         register_tiles: $tiles:tt;
-        $( $table:ident: $params:ty = $body:ident, shared $shared:ident, large $large:ident {
+        $( $table:ident: $params:ty = $body:ident, shared $shared:ident, large $large:ident,
+            registers $registers:ident {
             $( $name:literal => $norm:ident, residual $res:literal, single $single:ident; )*
         } )*
     ) => {
@@ -121,15 +123,15 @@ macro_rules! norm_kernels {
             #[cfg(not(target_arch = "nvptx64"))]
             pub static $table: Table<NormKey, $params> = Table(&[$(
                 &[
-                    norm_kernels!(@group $name, "f32", F32, $params, $body, $shared, $large, $norm, $res, packed, $tiles),
-                    norm_kernels!(@group $name, "f32", F32, $params, $body, $shared, $large, $norm, $res, $single, $tiles),
-                    norm_kernels!(@group $name, "f32", F32, $params, $body, $shared, $large, $norm, $res, cluster, $tiles),
-                    norm_kernels!(@group $name, "f16", F16, $params, $body, $shared, $large, $norm, $res, packed, $tiles),
-                    norm_kernels!(@group $name, "f16", F16, $params, $body, $shared, $large, $norm, $res, $single, $tiles),
-                    norm_kernels!(@group $name, "f16", F16, $params, $body, $shared, $large, $norm, $res, cluster, $tiles),
-                    norm_kernels!(@group $name, "bf16", Bf16, $params, $body, $shared, $large, $norm, $res, packed, $tiles),
-                    norm_kernels!(@group $name, "bf16", Bf16, $params, $body, $shared, $large, $norm, $res, $single, $tiles),
-                    norm_kernels!(@group $name, "bf16", Bf16, $params, $body, $shared, $large, $norm, $res, cluster, $tiles),
+                    norm_kernels!(@group $name, "f32", F32, $params, $body, ($shared, $large, $registers), $norm, $res, packed, $tiles),
+                    norm_kernels!(@group $name, "f32", F32, $params, $body, ($shared, $large, $registers), $norm, $res, $single, $tiles),
+                    norm_kernels!(@group $name, "f32", F32, $params, $body, ($shared, $large, $registers), $norm, $res, cluster, $tiles),
+                    norm_kernels!(@group $name, "f16", F16, $params, $body, ($shared, $large, $registers), $norm, $res, packed, $tiles),
+                    norm_kernels!(@group $name, "f16", F16, $params, $body, ($shared, $large, $registers), $norm, $res, $single, $tiles),
+                    norm_kernels!(@group $name, "f16", F16, $params, $body, ($shared, $large, $registers), $norm, $res, cluster, $tiles),
+                    norm_kernels!(@group $name, "bf16", Bf16, $params, $body, ($shared, $large, $registers), $norm, $res, packed, $tiles),
+                    norm_kernels!(@group $name, "bf16", Bf16, $params, $body, ($shared, $large, $registers), $norm, $res, $single, $tiles),
+                    norm_kernels!(@group $name, "bf16", Bf16, $params, $body, ($shared, $large, $registers), $norm, $res, cluster, $tiles),
                 ]
             ),*]);
         )*
@@ -169,35 +171,35 @@ macro_rules! norm_kernels {
     };
 
     // The table entries of one line, one group per (dtype, access).
-    (@group $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $shared:ident, $large:ident,
+    (@group $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $policy:tt,
         $norm:ident, $res:literal, packed, [$($vpt:literal $sfx:literal),*]) => {
         &[
-            $( norm_kernels!(@entry concat!($name, "_", $dn, "_v", $sfx), $t, $params, $body, $shared, $large, $norm, $res, true, $vpt, false, 80), )*
-            norm_kernels!(@entry concat!($name, "_", $dn, "_vx"), $t, $params, $body, $shared, $large, $norm, $res, true, 0, false, 80),
+            $( norm_kernels!(@entry concat!($name, "_", $dn, "_v", $sfx), $t, $params, $body, $policy, $norm, $res, true, $vpt, false, 80), )*
+            norm_kernels!(@entry concat!($name, "_", $dn, "_vx"), $t, $params, $body, $policy, $norm, $res, true, 0, false, 80),
         ]
     };
-    (@group $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $shared:ident, $large:ident,
+    (@group $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $policy:tt,
         $norm:ident, $res:literal, all, [$($vpt:literal $sfx:literal),*]) => {
         &[
-            $( norm_kernels!(@entry concat!($name, "_", $dn, "_s", $sfx), $t, $params, $body, $shared, $large, $norm, $res, false, $vpt, false, 80), )*
-            norm_kernels!(@entry concat!($name, "_", $dn, "_sx"), $t, $params, $body, $shared, $large, $norm, $res, false, 0, false, 80),
+            $( norm_kernels!(@entry concat!($name, "_", $dn, "_s", $sfx), $t, $params, $body, $policy, $norm, $res, false, $vpt, false, 80), )*
+            norm_kernels!(@entry concat!($name, "_", $dn, "_sx"), $t, $params, $body, $policy, $norm, $res, false, 0, false, 80),
         ]
     };
-    (@group $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $shared:ident, $large:ident,
+    (@group $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $policy:tt,
         $norm:ident, $res:literal, stream, $tiles:tt) => {
         &[
-            norm_kernels!(@entry concat!($name, "_", $dn, "_sx"), $t, $params, $body, $shared, $large, $norm, $res, false, 0, false, 80),
+            norm_kernels!(@entry concat!($name, "_", $dn, "_sx"), $t, $params, $body, $policy, $norm, $res, false, 0, false, 80),
         ]
     };
-    (@group $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $shared:ident, $large:ident,
+    (@group $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $policy:tt,
         $norm:ident, $res:literal, cluster, [$($vpt:literal $sfx:literal),*]) => {
         &[
-            $( norm_kernels!(@entry concat!($name, "_", $dn, "_v", $sfx, "c"), $t, $params, $body, $shared, $large, $norm, $res, true, $vpt, true, 90), )*
-            norm_kernels!(@entry concat!($name, "_", $dn, "_vxc"), $t, $params, $body, $shared, $large, $norm, $res, true, 0, true, 90),
+            $( norm_kernels!(@entry concat!($name, "_", $dn, "_v", $sfx, "c"), $t, $params, $body, $policy, $norm, $res, true, $vpt, true, 90), )*
+            norm_kernels!(@entry concat!($name, "_", $dn, "_vxc"), $t, $params, $body, $policy, $norm, $res, true, 0, true, 90),
         ]
     };
-    (@entry $entry:expr, $t:ident, $params:ty, $body:ident, $shared:ident, $large:ident, $norm:ident,
-        $res:literal, $vec:literal, $vpt:literal, $cluster:literal, $arch:literal) => {
+    (@entry $entry:expr, $t:ident, $params:ty, $body:ident, ($shared:ident, $large:ident, $registers:ident),
+        $norm:ident, $res:literal, $vec:literal, $vpt:literal, $cluster:literal, $arch:literal) => {
         $crate::kernel::kernel!(table $entry,
             NormKey {
                 norm: <$norm as Normalization>::NORM,
@@ -210,6 +212,7 @@ macro_rules! norm_kernels {
             $arch,
             $shared::<$norm, $vpt, $res, $cluster>,
             $large($cluster, $res, $vpt),
+            $registers(<$norm as Normalization>::CENTERED, $res, $vec, $vpt, $cluster),
             $body::<$crate::element::$t, $vec, $vpt, $norm, $res, $cluster>)
     };
 }
@@ -219,7 +222,8 @@ norm_kernels! {
     // the streaming tile ([`STREAM`], suffix `x`).
     register_tiles: [1 "1", 2 "2", 4 "4"];
 
-    FORWARD: ForwardParams = forward, shared forward_shared_bytes, large forward_large_shared {
+    FORWARD: ForwardParams = forward, shared forward_shared_bytes, large forward_large_shared,
+        registers forward_register_budget {
         "rms_norm_fwd" => RmsNorm, residual false, single all;
         "layer_norm_fwd" => LayerNorm, residual false, single all;
         // Single-element access serves only views that are not 16-byte aligned: register tiles for
@@ -228,7 +232,8 @@ norm_kernels! {
         "layer_norm_fwd_res" => LayerNorm, residual true, single stream;
     }
 
-    BACKWARD: BackwardParams = backward, shared backward_shared_bytes, large backward_large_shared {
+    BACKWARD: BackwardParams = backward, shared backward_shared_bytes, large backward_large_shared,
+        registers backward_register_budget {
         "rms_norm_bwd" => RmsNorm, residual false, single all;
         "layer_norm_bwd" => LayerNorm, residual false, single all;
         "rms_norm_bwd_res" => RmsNorm, residual true, single stream;

@@ -89,3 +89,39 @@ pub const fn forward_large_shared(_cluster: bool, _residual: bool, _vpt: usize) 
 pub const fn backward_large_shared(cluster: bool, residual: bool, vpt: usize) -> bool {
     staged(cluster, residual, vpt)
 }
+
+/// Registers per thread of a forward instance, where its natural allocation would cost a resident
+/// block (an SM has 65536 registers: 256-thread blocks fit two at up to 128, four at up to 64),
+/// or 0 for ptxas's choice. LayerNorm's 2-pack tile prefetches the next row (it waits on two
+/// reductions per row) and takes 72 registers for sm_90; 64 keep four blocks resident without
+/// spills (56 spill).
+pub const fn forward_register_budget(
+    centered: bool,
+    residual: bool,
+    vec: bool,
+    vpt: usize,
+    cluster: bool,
+) -> u32 {
+    if centered && !residual && vec && vpt == 2 && !cluster {
+        64
+    } else {
+        0
+    }
+}
+
+/// As [`forward_register_budget`], for the backward: LayerNorm's 2-pack tile (d = 2048..4096 at
+/// 16 bits), whose dβ partials and μ took it to 153–161 registers, one block per SM, fits 128
+/// without spilling.
+pub const fn backward_register_budget(
+    centered: bool,
+    residual: bool,
+    vec: bool,
+    vpt: usize,
+    cluster: bool,
+) -> u32 {
+    if centered && !residual && vec && vpt == 2 && !cluster {
+        128
+    } else {
+        0
+    }
+}
