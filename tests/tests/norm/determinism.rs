@@ -1,0 +1,125 @@
+//! Bitwise reproducibility: the same bits on every run and on every grid (dweight and dbias go
+//! through fixed groups of rows whose layout depends on the shape only), and no rows writing
+//! nothing but zero parameter gradients.
+
+use half::{bf16, f16};
+use normkern::{Context, layer_norm, rms_norm};
+use normkern_tests::backend::{Backend, Device};
+use normkern_tests::{Rng, TestDtype, same_bits};
+
+use crate::case::{Case, KINDS, Kind, emulator};
+
+/// Runs `case` on `backend` and checks it against the reference; then `repeats` more runs, and
+/// one on each of `grids` (the same executor with persistent grids capped at that many blocks),
+/// must give the same bits, padding included.
+pub fn check_bitwise_stable<T: TestDtype, B: Backend>(
+    case: &Case<T>,
+    backend: &B,
+    repeats: usize,
+    grids: &[(usize, B)],
+    what: &str,
+) {
+    let first = case.run(backend);
+    case.check(&first, what);
+    let what = format!("{what} {}", case.describe());
+    for run in 1..=repeats {
+        assert!(
+            case.run(backend) == first,
+            "{what}: run {run} differs bitwise from run 0"
+        );
+    }
+    for (blocks, limited) in grids {
+        let out = case.run(limited);
+        assert!(
+            same_bits(&out.dweight, &first.dweight),
+            "{what}: dweight changed on a grid of {blocks} blocks"
+        );
+        assert!(
+            out == first,
+            "{what}: outputs changed on a grid of {blocks} blocks"
+        );
+    }
+}
+
+#[test]
+fn gpu_backward_is_bitwise_repeatable_and_grid_invariant() {
+    let Some(gpu) = Device::shared() else { return };
+    let contexts = [3, 7].map(|blocks| {
+        let cuda = gpu.exec().context().cuda().clone();
+        let ctx = Context::from_cuda(cuda).unwrap();
+        (blocks, ctx.with_grid_limit(blocks).unwrap())
+    });
+    let grids: Vec<_> = contexts
+        .iter()
+        .map(|(blocks, ctx)| (*blocks, Device::new(ctx, gpu.stream())))
+        .collect();
+    let mut rng = Rng::fresh("gpu_determinism");
+    for kind in KINDS {
+        for (rows, d) in [(16384, 4096), (1000, 4097), (64, 65536)] {
+            let case = Case::<bf16>::dense(kind, &mut rng, rows, d);
+            check_bitwise_stable(&case, &gpu, 2, &grids, "gpu determinism");
+        }
+    }
+}
+
+/// The forward and backward over no rows write no y and no dx (x's buffer holds one row's worth,
+/// all outside the zero rows), and set dweight (and dbias) to zero, given a workspace of exactly
+/// `workspace_len(0, d)` elements: none (on the GPU, an allocation at address 0).
+fn zero_rows_write_nothing_and_zero_parameter_gradients<B: Backend>(backend: &B) {
+    let mut rng = Rng::fresh(&format!("{}_zero_rows", backend.name()));
+    for kind in [Kind::Rms, Kind::Layer { bias: true }] {
+        let case = Case::<f16>::new(kind, &mut rng, (0, 64, 64, 0));
+        let out = case.run(backend);
+        case.check(&out, &format!("{} zero rows", backend.name()));
+        let mut gradients = out.dweight.clone();
+        if kind != Kind::Rms {
+            gradients.extend(&out.dbias);
+        }
+        assert!(
+            gradients.iter().all(|v| *v == f16::ZERO),
+            "{kind:?}: {gradients:?}"
+        );
+    }
+}
+
+#[test]
+fn emulator_zero_rows_write_nothing_and_zero_parameter_gradients() {
+    zero_rows_write_nothing_and_zero_parameter_gradients(&emulator());
+}
+
+#[test]
+fn gpu_zero_rows_write_nothing_and_zero_parameter_gradients() {
+    let Some(gpu) = Device::shared() else { return };
+    zero_rows_write_nothing_and_zero_parameter_gradients(&gpu);
+}
+
+#[test]
+fn workspace_and_groups_depend_on_the_shape_only() {
+    // Rows split over clusters of 8 (wider than 32768) walk fewer, better balanced groups.
+    let busiest_of_15 = |(per_group, groups): (usize, usize)| groups.div_ceil(15) * per_group;
+    for rows in [1, 15, 16, 17, 64, 1000, 1024, 16384, 1 << 20] {
+        for d in [3, 32768, 32769, 1 << 20] {
+            let (per_group, groups) = normkern::group_layout(rows, d);
+            assert!(
+                per_group * groups >= rows && per_group * (groups - 1) < rows,
+                "rows {rows}, d {d}"
+            );
+            assert!(groups <= 512, "rows {rows}, d {d}: {groups} groups");
+            assert_eq!(rms_norm::workspace_len(rows, d), Ok(groups * d));
+            assert_eq!(layer_norm::workspace_len(rows, d), Ok(2 * groups * d));
+            if d > 32768 {
+                let narrow = normkern::group_layout(rows, 3);
+                assert!(
+                    busiest_of_15((per_group, groups)) <= busiest_of_15(narrow),
+                    "rows {rows}, d {d}: {per_group} × {groups} balances worse than {narrow:?}"
+                );
+            }
+        }
+    }
+    // 64 groups of 16 took 5 rounds of 15 clusters (80 rows for the busiest) at 1024 rows; 4
+    // groups of 16 left 11 of 15 idle at 64 rows.
+    assert!(busiest_of_15(normkern::group_layout(1024, 65536)) <= 72);
+    assert!(normkern::group_layout(64, 1 << 20).1 >= 12);
+    assert_eq!(normkern::group_layout(0, 65536).1, 0);
+    assert_eq!(normkern::group_layout(0, 3).1, 0);
+}

@@ -1,0 +1,259 @@
+//! The kernels against the reference over shapes and dtypes: packed and single-element access,
+//! strided and unaligned rows, rows too wide for registers (the streaming instances), rows split
+//! over clusters, and the weight offset with recomputed statistics.
+
+use std::time::Instant;
+
+use half::{bf16, f16};
+use normkern::Emulator;
+use normkern_tests::backend::{Backend, Device, Host};
+use normkern_tests::{Rng, TestDtype};
+
+use crate::case::{Case, KINDS, Kind, Shape, emulator};
+use crate::determinism::check_bitwise_stable;
+
+/// Each shape against the reference on `backend`, and bitwise the same on each of `grids`.
+fn matches_reference<T: TestDtype, B: Backend>(
+    backend: &B,
+    kind: Kind,
+    shapes: &[Shape],
+    grids: &[(usize, B)],
+) {
+    let mut rng = Rng::fresh(&format!("{}_{kind:?}_{}", backend.name(), T::NAME));
+    for &shape in shapes {
+        let start = Instant::now();
+        let case = Case::<T>::new(kind, &mut rng, shape);
+        check_bitwise_stable(&case, backend, 0, grids, backend.name());
+        eprintln!(
+            "{}: ok in {:.2} s",
+            case.describe(),
+            start.elapsed().as_secs_f64()
+        );
+    }
+}
+
+/// Gemma-style weights (used as `1 + weight`) and a backward that recomputes the statistics, for
+/// every kind.
+fn weight_offset_and_recomputed_statistics<T: TestDtype, B: Backend>(
+    backend: &B,
+    shapes: &[Shape],
+) {
+    let what = format!("{} offset+recompute", backend.name());
+    let mut rng = Rng::fresh(&what);
+    for kind in KINDS {
+        for &shape in shapes {
+            let case = Case::<T>::new(kind, &mut rng, shape).offset_and_recompute(&mut rng);
+            case.check(&case.run(backend), &what);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The CPU emulator: the same kernel bodies that are compiled to PTX, on small shapes.
+
+/// Odd d, rows not a multiple of the 16-row group, packed and single-element access, strided
+/// rows, and a row too wide for registers (the streaming instance).
+const EMULATED_SHAPES: [Shape; 8] = [
+    (1, 1, 1, 0),
+    (3, 7, 7, 0),
+    (17, 64, 64, 0),
+    (33, 64, 72, 0),
+    (5, 127, 130, 1),
+    (20, 1000, 1000, 0),
+    (2, 1024, 1024, 1),
+    (2, 8200, 8200, 1),
+];
+
+/// `shapes` in the emulator, the same bits on grids of 1 and 3 blocks.
+fn emulated<T: TestDtype>(kind: Kind, shapes: &[Shape]) {
+    let grids = [1, 3].map(|blocks| {
+        let limited = Emulator::new().with_grid_limit(blocks).unwrap();
+        (blocks, Host(limited))
+    });
+    matches_reference::<T, _>(&emulator(), kind, shapes, &grids);
+}
+
+#[test]
+fn emulator_rms_norm_matches_reference_f32() {
+    emulated::<f32>(Kind::Rms, &EMULATED_SHAPES);
+}
+
+#[test]
+fn emulator_rms_norm_matches_reference_f16() {
+    emulated::<f16>(Kind::Rms, &EMULATED_SHAPES);
+}
+
+#[test]
+fn emulator_rms_norm_matches_reference_bf16() {
+    emulated::<bf16>(Kind::Rms, &EMULATED_SHAPES);
+}
+
+// The streaming instance (the last shape) is shared code: LayerNorm runs it in
+// `emulator_weight_offset_and_recomputed_statistics`.
+
+#[test]
+fn emulator_layer_norm_matches_reference_f32() {
+    emulated::<f32>(Kind::Layer { bias: true }, &EMULATED_SHAPES[..7]);
+}
+
+#[test]
+fn emulator_layer_norm_matches_reference_f16() {
+    emulated::<f16>(Kind::Layer { bias: true }, &EMULATED_SHAPES[..7]);
+}
+
+#[test]
+fn emulator_layer_norm_matches_reference_bf16() {
+    emulated::<bf16>(Kind::Layer { bias: true }, &EMULATED_SHAPES[..7]);
+}
+
+#[test]
+fn emulator_layer_norm_without_bias_matches_reference() {
+    emulated::<bf16>(
+        Kind::Layer { bias: false },
+        &[(17, 64, 64, 0), (5, 127, 130, 1)],
+    );
+}
+
+#[test]
+fn emulator_weight_offset_and_recomputed_statistics() {
+    // Register tiles (packed and single-element) and the streaming instance.
+    weight_offset_and_recomputed_statistics::<f32, _>(
+        &emulator(),
+        &[(17, 64, 64, 0), (5, 127, 130, 1), (2, 8200, 8200, 1)],
+    );
+}
+
+/// Rows split over clusters of blocks (sm_90's tiles for rows too wide for one block), reached
+/// with small rows by capping the emulated block as registers cap it on a GPU: register tiles
+/// over 2 and 8 blocks, the streaming instance over 2, and recomputed statistics. Each against
+/// the reference, and bitwise the same on a grid of a single cluster.
+#[test]
+fn emulator_rows_split_over_clusters_match_reference() {
+    let mut rng = Rng::fresh("emulator_clusters");
+    // (rows, d, block limit, clusters up to): 2 × 64 threads × 4 packs; 8 × 32 × 4; streaming;
+    // 2 × 64 × 4 again over two dweight groups (16 + 4 rows), reusing every mailbox slot and
+    // stage.
+    let shapes = [
+        (3, 2048, 64, 2),
+        (2, 4096, 32, 8),
+        (3, 1100, 32, 2),
+        (20, 2048, 64, 2),
+    ];
+    for kind in [Kind::Rms, Kind::Layer { bias: true }] {
+        for (i, &(rows, d, block_limit, clusters)) in shapes.iter().enumerate() {
+            let emulator = Emulator::new()
+                .with_block_limit(block_limit)
+                .unwrap()
+                .with_clusters(clusters)
+                .unwrap();
+            let one_cluster = Host(emulator.with_grid_limit(1).unwrap());
+            let mut case = Case::<f32>::dense(kind, &mut rng, rows, d);
+            // Recomputed statistics: a second reduction per row, also over several groups.
+            if i == 0 || i == 3 {
+                case = case.offset_and_recompute(&mut rng);
+            }
+            check_bitwise_stable(
+                &case,
+                &Host(emulator),
+                0,
+                &[(1, one_cluster)],
+                "emulator clusters",
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The GPU.
+
+/// Every d of the acceptance list, each with a row count from its list so every count appears.
+const GPU_SHAPES: [(usize, usize); 15] = [
+    (16384, 1),
+    (1000, 2),
+    (64, 3),
+    (3, 7),
+    (2, 8),
+    (1, 64),
+    (1000, 127),
+    (64, 1000),
+    (16384, 1024),
+    (1000, 4096),
+    (64, 4097),
+    (3, 8192),
+    (4096, 16384),
+    (2, 65536),
+    (64, 65536),
+];
+
+/// Strided rows, and views one element off 16-byte alignment (single-element access).
+const GPU_STRIDED_SHAPES: [Shape; 4] = [
+    (1000, 4096, 4104, 0),
+    (257, 4096, 4096, 1),
+    (64, 1000, 1003, 3),
+    (16, 65536, 65540, 1),
+];
+
+fn on_gpu<T: TestDtype>(kind: Kind) {
+    let Some(gpu) = Device::shared() else { return };
+    let dense = GPU_SHAPES.map(|(rows, d)| (rows, d, d, 0));
+    let shapes = [&dense[..], &GPU_STRIDED_SHAPES].concat();
+    matches_reference::<T, _>(&gpu, kind, &shapes, &[]);
+}
+
+#[test]
+fn gpu_rms_norm_matches_reference_f32() {
+    on_gpu::<f32>(Kind::Rms);
+}
+
+#[test]
+fn gpu_rms_norm_matches_reference_f16() {
+    on_gpu::<f16>(Kind::Rms);
+}
+
+#[test]
+fn gpu_rms_norm_matches_reference_bf16() {
+    on_gpu::<bf16>(Kind::Rms);
+}
+
+#[test]
+fn gpu_layer_norm_matches_reference_f32() {
+    on_gpu::<f32>(Kind::Layer { bias: true });
+}
+
+#[test]
+fn gpu_layer_norm_matches_reference_f16() {
+    on_gpu::<f16>(Kind::Layer { bias: true });
+}
+
+#[test]
+fn gpu_layer_norm_matches_reference_bf16() {
+    on_gpu::<bf16>(Kind::Layer { bias: true });
+}
+
+/// Rows far too wide for registers (the streaming instances), up to 2²⁰ elements: exact, no limit.
+#[test]
+fn gpu_wide_rows_match_reference() {
+    let Some(gpu) = Device::shared() else { return };
+    for kind in KINDS {
+        let shapes = [
+            (64, 65537, 65537, 0),
+            (8, 262144, 262144, 0),
+            (64, 1 << 20, 1 << 20, 0),
+            (3, 1 << 20, 1 << 20, 1),
+        ];
+        matches_reference::<bf16, _>(&gpu, kind, &shapes, &[]);
+    }
+}
+
+#[test]
+fn gpu_weight_offset_and_recomputed_statistics() {
+    let Some(gpu) = Device::shared() else { return };
+    weight_offset_and_recomputed_statistics::<bf16, _>(
+        &gpu,
+        &[
+            (4096, 4096, 4096, 0),
+            (257, 4097, 4100, 1),
+            (16, 65536, 65536, 0),
+        ],
+    );
+}
