@@ -60,9 +60,9 @@ pub enum Error {
         activations: &'static str,
         supported: &'static str,
     },
-    /// The γ offset must be finite.
-    #[error("gamma offset must be finite, got {0}")]
-    GammaOffset(f32),
+    /// The weight offset must be finite.
+    #[error("weight offset must be finite, got {0}")]
+    WeightOffset(f32),
     /// A workspace smaller than the op needs (`rms_norm::workspace_len` and the like).
     #[error("workspace holds {actual} f32, the backward needs {needed}")]
     WorkspaceTooSmall { needed: usize, actual: usize },

@@ -11,27 +11,12 @@ use normkern_gpu::norm::Norm;
 
 use crate::error::Result;
 use crate::executor::Executor;
-use crate::norm::{NormBackward, NormForward, backward, forward};
+use crate::norm::{NormBackward, NormForward, norm_calls};
 use crate::tensor::Dtype;
 
-/// LayerNorm forward: writes `y` and, when asked, `mean` and `rstd`.
-pub fn forward<E: Executor, T: Dtype, W: Dtype, R: Dtype, H: Dtype>(
-    exec: &E,
-    args: NormForward<'_, E, T, W, R, H>,
-) -> Result<()> {
-    forward::run(Norm::Layer, exec, args)
-}
-
-/// LayerNorm backward: writes `dx`, `dweight` and, when asked, `dbias`. With no rows, the
-/// parameter gradients are set to zero.
-pub fn backward<E: Executor, T: Dtype, H: Dtype, W: Dtype, G: Dtype>(
-    exec: &E,
-    args: NormBackward<'_, E, T, H, W, G>,
-) -> Result<()> {
-    backward::run(Norm::Layer, exec, args)
-}
-
-/// f32 elements of workspace the backward needs for `rows × d` (room for dγ and dβ partials).
-pub fn workspace_len(rows: usize, d: usize) -> Result<usize> {
-    backward::workspace_len(Norm::Layer, rows, d)
-}
+norm_calls!(
+    Norm::Layer,
+    forward: "LayerNorm forward: writes `y` and, when asked, `mean` and `rstd`.",
+    backward: "LayerNorm backward: writes `dx`, `dweight` and, when asked, `dbias`. With no rows, the parameter gradients are set to zero.",
+    workspace: "f32 elements of workspace the backward needs for `rows × d` (room for dγ and dβ partials)."
+);

@@ -51,27 +51,12 @@ use normkern_gpu::norm::Norm;
 
 use crate::error::Result;
 use crate::executor::Executor;
-use crate::norm::{NormBackward, NormForward, backward, forward};
+use crate::norm::{NormBackward, NormForward, norm_calls};
 use crate::tensor::Dtype;
 
-/// RMSNorm forward: writes `y` and, when asked, `rstd`. `bias` and `mean` must be `None`.
-pub fn forward<E: Executor, T: Dtype, W: Dtype, R: Dtype, H: Dtype>(
-    exec: &E,
-    args: NormForward<'_, E, T, W, R, H>,
-) -> Result<()> {
-    forward::run(Norm::Rms, exec, args)
-}
-
-/// RMSNorm backward: writes `dx` and `dweight`. `mean` and `dbias` must be `None`. With no rows,
-/// `dweight` is set to zero.
-pub fn backward<E: Executor, T: Dtype, H: Dtype, W: Dtype, G: Dtype>(
-    exec: &E,
-    args: NormBackward<'_, E, T, H, W, G>,
-) -> Result<()> {
-    backward::run(Norm::Rms, exec, args)
-}
-
-/// f32 elements of workspace the backward needs for `rows × d`.
-pub fn workspace_len(rows: usize, d: usize) -> Result<usize> {
-    backward::workspace_len(Norm::Rms, rows, d)
-}
+norm_calls!(
+    Norm::Rms,
+    forward: "RMSNorm forward: writes `y` and, when asked, `rstd`. `bias` and `mean` must be `None`.",
+    backward: "RMSNorm backward: writes `dx` and `dweight`. `mean` and `dbias` must be `None`. With no rows, `dweight` is set to zero.",
+    workspace: "f32 elements of workspace the backward needs for `rows × d`."
+);

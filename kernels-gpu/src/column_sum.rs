@@ -56,8 +56,8 @@ pub struct ColumnSumParams {
     pub partials: u64,
     /// `d` elements of the output dtype.
     pub out: u64,
-    /// A second sum of the same shape in the same launch (dβ next to dγ), or 0: its partials and
-    /// output.
+    /// A second sum of the same shape in the same launch (dβ next to dγ): its partials and
+    /// output, `out2` = 0 for none.
     pub partials2: u64,
     pub out2: u64,
     pub groups: u32,
@@ -111,7 +111,9 @@ unsafe fn column_sum_by<T: Element, const COLUMNS: usize>(p: &ColumnSumParams) {
     // The first shared word of a slice's share of this lane's columns.
     let word = |slice: usize| (slice * WARP + lane) * COLUMNS;
     let slabs = d.div_ceil(WARP * COLUMNS);
-    let sums = if p.partials2 != 0 { 2 } else { 1 };
+    // The output says whether there is a second sum: with no rows the partials may be empty, and
+    // an empty device allocation sits at address 0.
+    let sums = if p.out2 != 0 { 2 } else { 1 };
     let mut item = arch::block_idx();
     while item < sums * slabs {
         let (partials, out) = if item < slabs {

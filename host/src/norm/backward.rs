@@ -242,14 +242,7 @@ pub(crate) fn run<E: Executor, T: Dtype, H: Dtype, W: Dtype, G: Dtype>(
     let (dbias, _dbias) = optional_output(exec, "dbias", args.dbias.as_mut())?;
     let (workspace, _workspace) = exec.output("workspace", &mut args.workspace)?;
     let call = Call {
-        key: NormKey {
-            norm,
-            residual: dresidual != 0 || x_f32,
-            dtype: T::KERNEL,
-            vec: false,
-            vpt: 0,
-            cluster: false,
-        },
+        key: NormKey::call(norm, dresidual != 0 || x_f32, T::KERNEL),
         rows,
         d,
         dy: (dy, args.dy.stride),
@@ -405,14 +398,7 @@ pub(crate) mod tests {
     fn call(norm: Norm, rows: usize, d: usize) -> Call {
         let buffer = 1 << 20;
         Call {
-            key: NormKey {
-                norm,
-                residual: false,
-                dtype: KernelDtype::Bf16,
-                vec: false,
-                vpt: 0,
-                cluster: false,
-            },
+            key: NormKey::call(norm, false, KernelDtype::Bf16),
             rows,
             d,
             dy: (buffer, d),

@@ -209,14 +209,7 @@ pub(crate) fn run<E: Executor, T: Dtype, W: Dtype, R: Dtype, H: Dtype>(
         residual_guards = Some((input_guard, output_guard));
     }
     let call = Call {
-        key: NormKey {
-            norm,
-            residual: residual.is_some(),
-            dtype: T::KERNEL,
-            vec: false,
-            vpt: 0,
-            cluster: false,
-        },
+        key: NormKey::call(norm, residual.is_some(), T::KERNEL),
         rows,
         d,
         x: (x, args.x.stride),
@@ -311,14 +304,7 @@ mod tests {
     fn call(norm: Norm, rows: usize, d: usize) -> Call {
         let buffer = 1 << 20;
         Call {
-            key: NormKey {
-                norm,
-                residual: false,
-                dtype: KernelDtype::Bf16,
-                vec: false,
-                vpt: 0,
-                cluster: false,
-            },
+            key: NormKey::call(norm, false, KernelDtype::Bf16),
             rows,
             d,
             x: (buffer, d),

@@ -5,6 +5,34 @@
 pub(crate) mod backward;
 pub(crate) mod forward;
 
+/// The public calls of one norm, for its module ([`crate::rms_norm`], [`crate::layer_norm`]):
+/// `forward`, `backward` and `workspace_len`, each with its doc.
+macro_rules! norm_calls {
+    ($norm:expr, forward: $forward:literal, backward: $backward:literal, workspace: $workspace:literal) => {
+        #[doc = $forward]
+        pub fn forward<E: Executor, T: Dtype, W: Dtype, R: Dtype, H: Dtype>(
+            exec: &E,
+            args: NormForward<'_, E, T, W, R, H>,
+        ) -> Result<()> {
+            $crate::norm::forward::run($norm, exec, args)
+        }
+
+        #[doc = $backward]
+        pub fn backward<E: Executor, T: Dtype, H: Dtype, W: Dtype, G: Dtype>(
+            exec: &E,
+            args: NormBackward<'_, E, T, H, W, G>,
+        ) -> Result<()> {
+            $crate::norm::backward::run($norm, exec, args)
+        }
+
+        #[doc = $workspace]
+        pub fn workspace_len(rows: usize, d: usize) -> Result<usize> {
+            $crate::norm::backward::workspace_len($norm, rows, d)
+        }
+    };
+}
+pub(crate) use norm_calls;
+
 pub use backward::NormBackward;
 pub use forward::{NormForward, ResidualAdd};
 
@@ -25,7 +53,7 @@ pub(crate) fn check_config(eps: f32, weight_offset: f32) -> Result<()> {
         return Err(Error::Eps(eps));
     }
     if !weight_offset.is_finite() {
-        return Err(Error::GammaOffset(weight_offset));
+        return Err(Error::WeightOffset(weight_offset));
     }
     Ok(())
 }

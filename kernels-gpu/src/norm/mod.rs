@@ -103,6 +103,20 @@ pub struct NormKey {
     pub cluster: bool,
 }
 
+impl NormKey {
+    /// A call's key before its launch plan picks the access, tile and cluster.
+    pub const fn call(norm: Norm, residual: bool, dtype: Dtype) -> Self {
+        NormKey {
+            norm,
+            residual,
+            dtype,
+            vec: false,
+            vpt: STREAM,
+            cluster: false,
+        }
+    }
+}
+
 /// Declares the norm kernels: for each line, every dtype with packed access over the register
 /// tiles and the streaming tile, with single-element access over the same (`single all`) or the
 /// streaming tile only (`single stream`), and the cluster instances (packed, every tile, sm_90).
@@ -199,22 +213,21 @@ macro_rules! norm_kernels {
         ]
     };
     (@entry $entry:expr, $t:ident, $params:ty, $body:ident, ($shared:ident, $large:ident, $registers:ident),
-        $norm:ident, $res:literal, $vec:literal, $vpt:literal, $cluster:literal, $arch:literal) => {
-        $crate::kernel::kernel!(table $entry,
-            NormKey {
-                norm: <$norm as Normalization>::NORM,
-                residual: $res,
-                dtype: Dtype::$t,
-                vec: $vec,
-                vpt: $vpt,
-                cluster: $cluster,
-            },
-            $arch,
+        $norm:ident, $res:literal, $vec:literal, $vpt:literal, $cluster:literal, $arch:literal) => {{
+        const KEY: NormKey = NormKey {
+            norm: <$norm as Normalization>::NORM,
+            residual: $res,
+            dtype: Dtype::$t,
+            vec: $vec,
+            vpt: $vpt,
+            cluster: $cluster,
+        };
+        $crate::kernel::kernel!(table $entry, KEY, $arch,
             $shared::<$norm, $vpt, $res, $cluster>,
-            $large($cluster, $res, $vpt),
-            $registers(<$norm as Normalization>::CENTERED, $res, $vec, $vpt, $cluster),
+            $large(KEY),
+            $registers(KEY),
             $body::<$crate::element::$t, $vec, $vpt, $norm, $res, $cluster>)
-    };
+    }};
 }
 
 norm_kernels! {

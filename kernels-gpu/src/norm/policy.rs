@@ -4,9 +4,9 @@
 //! shared-memory sizes to the host, whose launch plan reads them from there. The measurements
 //! behind each choice are in `bench-results/h200.md`.
 
-use super::Normalization;
 use super::staged::staged_words_end;
 use super::tile::SharedGamma;
+use super::{Norm, NormKey, Normalization};
 use crate::reduce::ROW_REDUCER_SHARED_WORDS;
 
 /// Accesses per thread of the streaming instances: the row is re-read from memory (mostly L2)
@@ -80,48 +80,33 @@ pub fn backward_shared_bytes<
 }
 
 /// Whether a forward block may need more than the default 48 KiB of shared memory: never.
-pub const fn forward_large_shared(_cluster: bool, _residual: bool, _vpt: usize) -> bool {
+pub const fn forward_large_shared(_key: NormKey) -> bool {
     false
 }
 
 /// Whether a backward block may need more than the default 48 KiB of shared memory: the
 /// [`staged`] ones, whose ring grows with the block.
-pub const fn backward_large_shared(cluster: bool, residual: bool, vpt: usize) -> bool {
-    staged(cluster, residual, vpt)
+pub const fn backward_large_shared(key: NormKey) -> bool {
+    staged(key.cluster, key.residual, key.vpt)
 }
 
-/// Registers per thread of a forward instance, where its natural allocation would cost a resident
-/// block (an SM has 65536 registers: 256-thread blocks fit two at up to 128, four at up to 64),
-/// or 0 for ptxas's choice. LayerNorm's 2-pack tile prefetches the next row (it waits on two
-/// reductions per row) and takes 72 registers for sm_90; 64 keep four blocks resident without
-/// spills (56 spill).
-pub const fn forward_register_budget(
-    centered: bool,
-    residual: bool,
-    vec: bool,
-    vpt: usize,
-    cluster: bool,
-) -> u32 {
-    if centered && !residual && vec && vpt == 2 && !cluster {
-        64
-    } else {
-        0
-    }
+/// LayerNorm's plain 2-pack block tile, the one instance whose natural register allocation
+/// costs a resident block (an SM has 65536 registers: 256-thread blocks fit two at up to 128,
+/// four at up to 64) and which fits the smaller budget without spilling.
+const fn layer_norm_two_packs(key: NormKey) -> bool {
+    matches!(key.norm, Norm::Layer) && !key.residual && key.vec && key.vpt == 2 && !key.cluster
 }
 
-/// As [`forward_register_budget`], for the backward: LayerNorm's 2-pack tile (d = 2048..4096 at
-/// 16 bits), whose dβ partials and μ took it to 153–161 registers, one block per SM, fits 128
-/// without spilling.
-pub const fn backward_register_budget(
-    centered: bool,
-    residual: bool,
-    vec: bool,
-    vpt: usize,
-    cluster: bool,
-) -> u32 {
-    if centered && !residual && vec && vpt == 2 && !cluster {
-        128
-    } else {
-        0
-    }
+/// Registers per thread of a forward instance (0: ptxas's choice). The LayerNorm 2-pack tile
+/// prefetches the next row (it waits on two reductions per row) and takes 72 registers for
+/// sm_90; 64 keep four blocks resident without spills (56 spill).
+pub const fn forward_register_budget(key: NormKey) -> u32 {
+    if layer_norm_two_packs(key) { 64 } else { 0 }
+}
+
+/// Registers per thread of a backward instance (0: ptxas's choice). The LayerNorm 2-pack tile
+/// (d = 2048..4096 at 16 bits): its dβ partials and μ took it to 153–161 registers, one block per
+/// SM; it fits 128 without spilling.
+pub const fn backward_register_budget(key: NormKey) -> u32 {
+    if layer_norm_two_packs(key) { 128 } else { 0 }
 }

@@ -86,7 +86,7 @@ fn rms_norm_bad_arguments_are_rejected<B: Backend>(backend: &B) {
         assert!(matches!(r, Err(Error::Eps(_))), "eps {eps}: {r:?}");
     }
     let r = forward(0, rows, None, (EPS, f32::NAN));
-    assert!(matches!(r, Err(Error::GammaOffset(_))), "{r:?}");
+    assert!(matches!(r, Err(Error::WeightOffset(_))), "{r:?}");
     let r = forward(1, rows, None, (EPS, 0.0));
     assert!(
         matches!(r, Err(Error::Length { what: "weight", .. })),
