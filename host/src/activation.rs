@@ -35,13 +35,16 @@ pub use normkern_gpu::activation::Activation;
 /// The arguments of [`forward`]: `y = f(x)`.
 #[must_use = "the arguments do nothing until passed to activation::forward"]
 pub struct Forward<'a, E: Executor, T: Dtype> {
+    /// The function f.
     pub activation: Activation,
+    /// `rows × d` input.
     pub x: Rows<E::In<'a, T>>,
     /// x's shape, its own stride.
     pub y: Rows<E::Out<'a, T>>,
 }
 
 impl<'a, E: Executor, T: Dtype> Forward<'a, E, T> {
+    /// `y = activation(x)`.
     pub fn new(activation: Activation, x: Rows<E::In<'a, T>>, y: Rows<E::Out<'a, T>>) -> Self {
         Forward { activation, x, y }
     }
@@ -50,6 +53,7 @@ impl<'a, E: Executor, T: Dtype> Forward<'a, E, T> {
 /// The arguments of [`backward`]: `dx = dy · f'(preact)`, and optionally `dbias = Σ_rows dx`.
 #[must_use = "the arguments do nothing until passed to activation::backward"]
 pub struct Backward<'a, E: Executor, T: Dtype> {
+    /// The function f of the forward.
     pub activation: Activation,
     /// The forward's input.
     pub preact: Rows<E::In<'a, T>>,
@@ -61,8 +65,11 @@ pub struct Backward<'a, E: Executor, T: Dtype> {
 
 /// The gradient of an activation backward: read from `dy`, written to `dx`, or written over dy.
 pub enum Gradient<'a, E: Executor, T: Dtype> {
+    /// dy read, dx written: `rows × d` each, their own strides.
     Separate {
+        /// The gradient arriving on the forward's output.
         dy: Rows<E::In<'a, T>>,
+        /// The gradient of its input.
         dx: Rows<E::Out<'a, T>>,
     },
     /// dx is written over dy (every element is read before it is written, by the same thread).
@@ -71,7 +78,9 @@ pub enum Gradient<'a, E: Executor, T: Dtype> {
 
 /// dbias (`d` elements) and the workspace of its group partials (at least [`workspace_len`] f32).
 pub struct Dbias<'a, E: Executor, T: Dtype> {
+    /// `d` elements: `Σ_rows dx`.
     pub dbias: E::Out<'a, T>,
+    /// At least [`workspace_len`] f32 for the group partials.
     pub workspace: E::Out<'a, f32>,
 }
 
@@ -116,8 +125,11 @@ impl<'a, E: Executor, T: Dtype> Backward<'a, E, T> {
 
 /// The gated inputs `a` and `b`: two row views, or the halves of each row of one.
 pub enum GatedInput<'a, E: Executor, T: Dtype> {
+    /// Two `rows × d` views.
     Separate {
+        /// The gate's input: `f(a)`.
         a: Rows<E::In<'a, T>>,
+        /// What the gate scales.
         b: Rows<E::In<'a, T>>,
     },
     /// `[rows, 2·d]`: a is each row's first half, b its second.
@@ -126,8 +138,11 @@ pub enum GatedInput<'a, E: Executor, T: Dtype> {
 
 /// The gradients of the gated inputs: two row views, or the halves of each row of one.
 pub enum GatedGrad<'a, E: Executor, T: Dtype> {
+    /// Two `rows × d` views.
     Separate {
+        /// The gradient of a.
         da: Rows<E::Out<'a, T>>,
+        /// The gradient of b.
         db: Rows<E::Out<'a, T>>,
     },
     /// `[rows, 2·d]`: da is each row's first half, db its second.
@@ -137,7 +152,9 @@ pub enum GatedGrad<'a, E: Executor, T: Dtype> {
 /// The arguments of [`gated_forward`]: `h = f(a) · b`.
 #[must_use = "the arguments do nothing until passed to activation::gated_forward"]
 pub struct GatedForward<'a, E: Executor, T: Dtype> {
+    /// The gate's function: SiLU for SwiGLU, a GELU for GeGLU.
     pub activation: Activation,
+    /// a and b.
     pub input: GatedInput<'a, E, T>,
     /// `rows × d`.
     pub h: Rows<E::Out<'a, T>>,
@@ -146,10 +163,13 @@ pub struct GatedForward<'a, E: Executor, T: Dtype> {
 /// The arguments of [`gated_backward`]: `da = dh · b · f'(a)`, `db = dh · f(a)` in one pass.
 #[must_use = "the arguments do nothing until passed to activation::gated_backward"]
 pub struct GatedBackward<'a, E: Executor, T: Dtype> {
+    /// The gate's function of the forward.
     pub activation: Activation,
     /// `rows × d`: the gradient arriving on h.
     pub dh: Rows<E::In<'a, T>>,
+    /// The forward's a and b.
     pub input: GatedInput<'a, E, T>,
+    /// da and db.
     pub grad: GatedGrad<'a, E, T>,
 }
 

@@ -54,6 +54,8 @@ impl Default for Emulator {
 }
 
 impl Emulator {
+    /// An emulated device of 4 resident blocks with clusters of up to 2 blocks and blocks of up
+    /// to 1024 threads.
     pub fn new() -> Self {
         Emulator {
             grid_limit: None,

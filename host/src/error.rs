@@ -4,6 +4,8 @@
 /// launched, so no output is touched by a call that fails.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
+// Each variant's message says what its fields are.
+#[allow(missing_docs)]
 pub enum Error {
     /// The CUDA driver library (libcuda) could not be found on this machine.
     #[error("no CUDA driver: libcuda could not be loaded")]

@@ -30,6 +30,8 @@
 //! without touching any output when something is wrong. Calls enqueue work and return: no device
 //! allocation, no synchronization.
 
+#![warn(missing_docs)]
+
 pub mod activation;
 mod context;
 mod emulator;

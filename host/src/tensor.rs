@@ -30,6 +30,7 @@ impl Dtype for half::bf16 {
 
 /// Memory a [`Rows`] view can stand on: cudarc device views, or host slices for the emulator.
 pub trait Buffer {
+    /// The stored dtype.
     type Elem: Dtype;
     /// Elements available from the start of the view.
     fn elements(&self) -> usize;
@@ -130,12 +131,15 @@ impl<B: Buffer> Rows<B> {
         })
     }
 
+    /// Rows in the view.
     pub fn rows(&self) -> usize {
         self.rows
     }
+    /// Elements per row.
     pub fn d(&self) -> usize {
         self.d
     }
+    /// Elements from the start of one row to the start of the next.
     pub fn stride(&self) -> usize {
         self.stride
     }

@@ -42,7 +42,9 @@ pub struct NormForward<'a, E: Executor, T: Dtype, W: Dtype = T, R: Dtype = T, H:
 /// f32 (an fp32 residual stream next to bf16 activations). Neither may overlap another operand:
 /// for an in-place residual stream, alternate two buffers.
 pub struct ResidualAdd<'a, E: Executor, R: Dtype, H: Dtype> {
+    /// `rows × d`: the residual stream coming in.
     pub residual: Rows<E::In<'a, R>>,
+    /// `rows × d`: `h = x + residual`, the residual stream going on (and the row normalized).
     pub residual_out: Rows<E::Out<'a, H>>,
 }
 
