@@ -271,7 +271,7 @@ fn gated_input<'g, E: Executor, T: Dtype>(
             ))
         }
         GatedInput::Packed(ab) => {
-            ab.expect_shape("ab", rows, 2 * d)?;
+            ab.expect_shape("ab", rows, packed_width(d)?)?;
             let (address, guard) = exec.input("ab", &ab.data)?;
             Ok((
                 halves((address, ab.stride), d, T::KERNEL),
@@ -314,7 +314,7 @@ pub fn gated_backward<E: Executor, T: Dtype>(
             (outputs, (da_guard, Some(db_guard)))
         }
         GatedGrad::Packed(dab) => {
-            dab.expect_shape("dab", shape.0, 2 * shape.1)?;
+            dab.expect_shape("dab", shape.0, packed_width(shape.1)?)?;
             let stride = dab.stride;
             let (address, guard) = exec.output("dab", &mut dab.data)?;
             (halves((address, stride), shape.1, T::KERNEL), (guard, None))
@@ -326,9 +326,19 @@ pub fn gated_backward<E: Executor, T: Dtype>(
     call.run(exec)
 }
 
-/// `(a, b)` addresses of the two halves of packed `[rows, 2·d]` rows.
+/// `2·d`, the width of packed gated rows.
+fn packed_width(d: usize) -> Result<usize> {
+    d.checked_mul(2).ok_or(Error::TooLarge {
+        what: "2 × d (packed rows)",
+        value: d,
+    })
+}
+
+/// `(a, b)` addresses of the two halves of packed `[rows, 2·d]` rows (validated, so the offset
+/// of b lies inside the buffer).
 fn halves(base: (u64, usize), d: usize, dtype: KernelDtype) -> [(u64, usize); 2] {
-    [base, (base.0 + (d * dtype.bytes()) as u64, base.1)]
+    let offset = d.wrapping_mul(dtype.bytes()) as u64;
+    [base, (base.0.wrapping_add(offset), base.1)]
 }
 
 /// A validated call: addresses and strides of up to three row inputs and two row outputs, in the
@@ -382,6 +392,8 @@ pub(crate) struct Plan {
     pub sums: Option<Launch<KernelDtype, ColumnSumParams>>,
 }
 
+// Launch arithmetic on validated sizes (rows, d < 2³², at most 512 groups, packs of 4 or 8).
+#[allow(clippy::arithmetic_side_effects)]
 pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
     let (mut rows, mut d) = (call.rows, call.d);
     let (mut inputs, mut outputs) = (call.inputs, call.outputs);

@@ -90,7 +90,9 @@ impl Context {
         let (major, minor) = cuda
             .compute_capability()
             .map_err(Error::driver("cuDeviceGetAttribute"))?;
-        let cc = (major * 10 + minor) as u32;
+        let cc = (major.max(0) as u32)
+            .saturating_mul(10)
+            .saturating_add(minor.max(0) as u32);
         let &(ptx_arch, ptx) = PTX
             .iter()
             .find(|(arch, _)| *arch <= cc)
@@ -231,7 +233,7 @@ impl Device for Context {
             let per_sm = f
                 .occupancy_max_active_blocks_per_multiprocessor(block as u32, shared_bytes, None)
                 .map_err(Error::driver("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
-            Ok(per_sm as usize * self.sm_count)
+            Ok((per_sm as usize).saturating_mul(self.sm_count))
         })
     }
 

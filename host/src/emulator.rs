@@ -125,7 +125,7 @@ impl Device for Emulator {
     }
 
     fn resident_clusters(&self, _: Entry, _: usize, cluster: usize, _: usize) -> Result<usize> {
-        Ok(EMULATED_RESIDENT_BLOCKS / cluster)
+        Ok(EMULATED_RESIDENT_BLOCKS.checked_div(cluster).unwrap_or(0))
     }
 }
 

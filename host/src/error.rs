@@ -51,6 +51,16 @@ pub enum Error {
     /// A size beyond what the kernels index (rows and d up to 2³² − 1, elements up to 2⁶³).
     #[error("{what}: {value} is larger than supported")]
     TooLarge { what: &'static str, value: usize },
+    /// A view whose last element lies past the largest address: `(rows − 1) · stride + d`
+    /// overflows.
+    #[error(
+        "rows view: (rows − 1) × stride + d overflows for {rows} rows of {d} elements, {stride} apart"
+    )]
+    ViewOverflow {
+        rows: usize,
+        d: usize,
+        stride: usize,
+    },
     /// eps must be finite and positive.
     #[error("eps must be finite and > 0, got {0}")]
     Eps(f32),

@@ -31,6 +31,8 @@
 //! allocation, no synchronization.
 
 #![warn(missing_docs)]
+// Sizes come from users: every computation on them is checked, saturating or wrapping on purpose.
+#![warn(clippy::arithmetic_side_effects)]
 
 pub mod activation;
 mod context;

@@ -3,6 +3,10 @@
 //! gradients. Each op's plan (`norm::forward::plan`, …) is a pure function of the call and the
 //! [`Device`]; these are its pieces.
 
+// Launch arithmetic on validated sizes (rows, d < 2³², at most 512 groups) and launch shapes
+// (blocks of 32 to 1024 threads, clusters of 1 to 8): nothing here overflows or divides by 0.
+#![allow(clippy::arithmetic_side_effects)]
+
 use normkern_gpu::column_sum::{self, COLUMN_SUM_THREADS, COLUMN_SUM_VECTOR, ColumnSumParams};
 use normkern_gpu::kernel::{Dtype, Entry};
 use normkern_gpu::norm::STREAM;

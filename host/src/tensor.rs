@@ -108,13 +108,10 @@ impl<B: Buffer> Rows<B> {
         let needed = if rows == 0 {
             0
         } else {
-            (rows - 1)
+            (rows.saturating_sub(1))
                 .checked_mul(stride)
                 .and_then(|n| n.checked_add(d))
-                .ok_or(Error::TooLarge {
-                    what: "rows × stride",
-                    value: rows,
-                })?
+                .ok_or(Error::ViewOverflow { rows, d, stride })?
         };
         if data.elements() < needed {
             return Err(Error::Length {

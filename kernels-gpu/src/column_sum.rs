@@ -33,15 +33,29 @@ pub const MIN_WIDE_ROWS_PER_GROUP: usize = 4;
 /// busiest team of [`WIDE_ROW_TEAMS`], counting each group's partial row (f32, written and read
 /// once) as 4/3 of a row of 16-bit x, dy and dx: 1024 rows take 15 groups of 69 (one round), and
 /// 64 rows 13 of 5. Any other team count still gets a valid layout, only a less even one.
+///
+/// The search is bounded: a group size's cost is the busiest team's rounds times its rows, and
+/// for each number of rounds (at most `MAX_GROUPS / WIDE_ROW_TEAMS + 1`, as there are at most
+/// `MAX_GROUPS` groups) only the smallest group size that needs no more rounds can be cheapest.
 pub fn group_layout(rows: usize, d: usize) -> (usize, usize) {
     let fewest_groups = rows.div_ceil(MAX_GROUPS);
     let default = fewest_groups.max(MIN_ROWS_PER_GROUP);
     let per_group = if d > WIDE_ROW_ELEMS {
-        let busiest = |p: usize| rows.div_ceil(p).div_ceil(WIDE_ROW_TEAMS) * (3 * p + 4);
-        (fewest_groups.max(MIN_WIDE_ROWS_PER_GROUP)
-            ..=(2 * default).max(rows.div_ceil(WIDE_ROW_TEAMS)))
-            .min_by_key(|&p| busiest(p))
-            .unwrap_or(default)
+        let rounds = |p: usize| rows.div_ceil(p).div_ceil(WIDE_ROW_TEAMS);
+        let cost = |p: usize| rounds(p).saturating_mul(p.saturating_mul(3).saturating_add(4));
+        let lo = fewest_groups.max(MIN_WIDE_ROWS_PER_GROUP);
+        let hi = default
+            .saturating_mul(2)
+            .max(rows.div_ceil(WIDE_ROW_TEAMS))
+            .max(lo);
+        // Smallest size first, and among equal costs the smaller size: the first minimum of a
+        // scan over lo..=hi.
+        let mut best = (cost(lo), lo);
+        for r in 1..=rounds(lo) {
+            let p = rows.div_ceil(WIDE_ROW_TEAMS.saturating_mul(r)).clamp(lo, hi);
+            best = best.min((cost(p), p));
+        }
+        best.1
     } else {
         default
     };

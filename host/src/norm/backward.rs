@@ -275,6 +275,8 @@ pub(crate) struct Plan {
     pub sums: Launch<KernelDtype, ColumnSumParams>,
 }
 
+// Launch arithmetic on validated sizes (rows, d < 2³², at most 512 groups).
+#[allow(clippy::arithmetic_side_effects)]
 pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
     let (rows, d, dtype) = (call.rows, call.d, call.key.dtype);
     let (rows_per_group, groups) = group_layout(rows, d);
@@ -531,6 +533,44 @@ pub(crate) mod tests {
             let threads = within(kernel, 227 * 1024);
             assert!((kernel.shared_bytes)(threads) <= 48 * 1024, "{k:?}");
         }
+    }
+
+    /// The bounded search picks what a scan over every group size picks (the first cheapest),
+    /// and sizes near the limits take no time.
+    #[test]
+    fn group_layouts_match_the_exhaustive_search() {
+        fn scan(rows: usize, d: usize) -> (usize, usize) {
+            let fewest = rows.div_ceil(512);
+            let default = fewest.max(16);
+            let per_group = if d > 32768 {
+                let busiest = |p: usize| rows.div_ceil(p).div_ceil(15) * (3 * p + 4);
+                (fewest.max(4)..=(2 * default).max(rows.div_ceil(15)))
+                    .min_by_key(|&p| busiest(p))
+                    .unwrap_or(default)
+            } else {
+                default
+            };
+            (per_group, rows.div_ceil(per_group))
+        }
+        let rows = (0..3000)
+            .chain((3000..200_000).step_by(997))
+            .chain([1 << 20, 1 << 24]);
+        for rows in rows {
+            for d in [4096, 32769, 65536] {
+                assert_eq!(group_layout(rows, d), scan(rows, d), "{rows}×{d}");
+            }
+        }
+        let start = std::time::Instant::now();
+        for (rows, d) in [
+            (1 << 40, 40000),
+            (u32::MAX as usize, 1 << 20),
+            (usize::MAX, usize::MAX),
+        ] {
+            let (per_group, groups) = group_layout(rows, d);
+            assert!(per_group >= 4 && groups <= 512, "{rows}×{d}");
+        }
+        assert!(start.elapsed() < std::time::Duration::from_millis(50));
+        assert!(workspace_len(Norm::Layer, usize::MAX, usize::MAX).is_err());
     }
 
     #[test]

@@ -94,10 +94,12 @@ pub(crate) fn stride_in_elems(stride: usize, f32: bool, elem_bytes: usize) -> Re
     if !f32 {
         return Ok(stride);
     }
-    stride.checked_mul(4 / elem_bytes).ok_or(Error::TooLarge {
-        what: "row stride (in bytes)",
-        value: stride,
-    })
+    (stride.checked_mul(4))
+        .and_then(|bytes| bytes.checked_div(elem_bytes))
+        .ok_or(Error::TooLarge {
+            what: "row stride (in bytes)",
+            value: stride,
+        })
 }
 
 /// `1/d`, rounded once.
@@ -122,6 +124,8 @@ pub(crate) struct RowLaunch<P: 'static> {
 impl<P: Copy> RowLaunch<P> {
     /// The tile for a row of `d` elements among the compiled ones, and a persistent grid over the
     /// work items. `prefetches(vpt)`: whether that register tile keeps the next row in flight.
+    // Launch arithmetic on validated sizes and the table's few tiles.
+    #[allow(clippy::arithmetic_side_effects)]
     pub(crate) fn plan(
         self,
         device: &dyn Device,

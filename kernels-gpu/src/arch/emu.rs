@@ -526,27 +526,38 @@ pub fn launch(
         });
         let mut first_panic: Option<String> = None;
         std::thread::scope(|s| {
-            let handles: Vec<_> = (0..cluster * block)
-                .map(|t| {
-                    let shared = shared.clone();
-                    let (rank, tid) = (t / block, t % block);
-                    std::thread::Builder::new()
-                        .stack_size(256 * 1024)
-                        .spawn_scoped(s, move || {
-                            let _guard = PoisonOnPanic(shared.clone());
-                            CTX.with(|c| {
-                                *c.borrow_mut() = Some(ThreadCtx {
-                                    tid,
-                                    rank,
-                                    cluster: shared,
-                                })
-                            });
-                            body();
-                            CTX.with(|c| *c.borrow_mut() = None);
-                        })
-                        .expect("spawning an emulator thread")
-                })
-                .collect();
+            let mut handles = Vec::with_capacity(cluster * block);
+            for t in 0..cluster * block {
+                let thread_shared = shared.clone();
+                let (rank, tid) = (t / block, t % block);
+                let spawned = std::thread::Builder::new()
+                    .stack_size(256 * 1024)
+                    .spawn_scoped(s, move || {
+                        let _guard = PoisonOnPanic(thread_shared.clone());
+                        CTX.with(|c| {
+                            *c.borrow_mut() = Some(ThreadCtx {
+                                tid,
+                                rank,
+                                cluster: thread_shared,
+                            })
+                        });
+                        body();
+                        CTX.with(|c| *c.borrow_mut() = None);
+                    });
+                match spawned {
+                    Ok(handle) => handles.push(handle),
+                    Err(e) => {
+                        // The threads already running would wait for this one at the first
+                        // barrier: poison the cluster so they give up, then report.
+                        shared.poisoned.store(true, Ordering::SeqCst);
+                        first_panic = Some(std::format!(
+                            "could not start thread {t} of {} ({e})",
+                            cluster * block
+                        ));
+                        break;
+                    }
+                }
+            }
             for h in handles {
                 if let Err(payload) = h.join() {
                     let msg = payload
