@@ -187,6 +187,7 @@ pub fn workspace_len(rows: usize, d: usize) -> Result<usize> {
 /// `y = f(x)`.
 pub fn forward<E: Executor, T: Dtype>(exec: &E, mut args: Forward<'_, E, T>) -> Result<()> {
     args.y.expect_shape("y", args.x.rows, args.x.d)?;
+    exec.prepare()?;
     let (x, _x) = exec.input("x", &args.x.data)?;
     let (y, _y) = exec.output("y", &mut args.y.data)?;
     let mut call = Call::new::<T>(Family::Forward, args.activation, (args.x.rows, args.x.d));
@@ -216,6 +217,7 @@ pub fn backward<E: Executor, T: Dtype>(exec: &E, mut args: Backward<'_, E, T>) -
             });
         }
     }
+    exec.prepare()?;
     let (preact, _preact) = exec.input("preact", &args.preact.data)?;
     let (dy, dx, _grad) = match &mut args.grad {
         Gradient::Separate { dy, dx } => {
@@ -263,6 +265,7 @@ fn gated_input<'g, E: Executor, T: Dtype>(
         GatedInput::Separate { a, b } => {
             a.expect_shape("a", rows, d)?;
             b.expect_shape("b", rows, d)?;
+            exec.prepare()?;
             let (a_address, a_guard) = exec.input("a", &a.data)?;
             let (b_address, b_guard) = exec.input("b", &b.data)?;
             Ok((
@@ -272,6 +275,7 @@ fn gated_input<'g, E: Executor, T: Dtype>(
         }
         GatedInput::Packed(ab) => {
             ab.expect_shape("ab", rows, packed_width(d)?)?;
+            exec.prepare()?;
             let (address, guard) = exec.input("ab", &ab.data)?;
             Ok((
                 halves((address, ab.stride), d, T::KERNEL),

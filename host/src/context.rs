@@ -289,6 +289,21 @@ impl<'s> Executor for Gpu<'s> {
     where
         Self: 'g;
 
+    fn prepare(&self) -> Result<()> {
+        // Only with event tracking do the operands' guards wait on events, which a capture may
+        // not do; without it this costs two atomic loads and no driver call.
+        if self.ctx.cuda.is_managing_stream_synchronization() {
+            let status = self
+                .stream
+                .capture_status()
+                .map_err(Error::driver("cuStreamIsCapturing"))?;
+            if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+                return Err(Error::CaptureWithEventTracking);
+            }
+        }
+        Ok(())
+    }
+
     fn input<'g, T: Dtype>(
         &'g self,
         what: &'static str,
@@ -313,6 +328,9 @@ impl<'s> Executor for Gpu<'s> {
 
     fn launch<K: Sync, P: Copy + Sync>(&self, launch: &Launch<K, P>) -> Result<()> {
         let f = &self.ctx.kernel(launch.kernel.entry())?.function;
+        // An error cudarc recorded while ordering the operands (an event wait or record) comes
+        // out here, named for what failed.
+        (self.ctx.cuda.check_err()).map_err(Error::driver("a buffer's event wait (cudarc)"))?;
         self.ctx
             .cuda
             .bind_to_thread()

@@ -136,6 +136,10 @@ impl Executor for Emulator {
     type Out<'a, T: Dtype> = &'a mut [T];
     type Guard<'g> = ();
 
+    fn prepare(&self) -> Result<()> {
+        Ok(())
+    }
+
     fn input<'g, T: Dtype>(&'g self, _what: &'static str, buffer: &'g &[T]) -> Result<(u64, ())> {
         Ok((buffer.as_ptr() as u64, ()))
     }

@@ -81,6 +81,16 @@ pub enum Error {
     /// A buffer or stream belongs to another CUDA context than the normkern [`crate::Context`].
     #[error("{what} belongs to a different CUDA context")]
     WrongContext { what: &'static str },
+    /// The stream is capturing a CUDA graph while cudarc orders buffers between streams with
+    /// events (its default once a second stream exists): every buffer's event wait would break
+    /// the capture, so nothing was enqueued. Disable cudarc's event tracking before creating the
+    /// buffers you capture (README, "CUDA graphs").
+    #[error(
+        "the stream is capturing a CUDA graph and cudarc's event tracking is on: waiting on a \
+         buffer's event would invalidate the capture; disable event tracking before creating the \
+         buffers you capture (README, \"CUDA graphs\")"
+    )]
+    CaptureWithEventTracking,
     /// A grid limit of 0 blocks.
     #[error("grid limit must be at least 1 block")]
     ZeroGrid,

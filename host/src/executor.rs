@@ -22,6 +22,10 @@ pub trait Executor: private::Sealed {
     where
         Self: 'g;
 
+    /// Checks, before any operand is touched, that the op can be enqueued at all.
+    #[doc(hidden)]
+    fn prepare(&self) -> Result<()>;
+
     /// The address of an input (checking that it belongs to this executor's device).
     #[doc(hidden)]
     fn input<'g, T: Dtype>(

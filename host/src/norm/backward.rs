@@ -230,6 +230,7 @@ pub(crate) fn run<E: Executor, T: Dtype, H: Dtype, W: Dtype, G: Dtype>(
         "x (residual_out)",
         "the residual stream must be in the activations' dtype or f32",
     )?;
+    exec.prepare()?;
     let (dy, _dy) = exec.input("dy", &args.dy.data)?;
     let (x, _x) = exec.input("x", &args.x.data)?;
     let (weight, _weight) = exec.input("weight", &args.weight)?;

@@ -192,6 +192,7 @@ pub(crate) fn run<E: Executor, T: Dtype, W: Dtype, R: Dtype, H: Dtype>(
         }
         None => None,
     };
+    exec.prepare()?;
     let (x, _x) = exec.input("x", &args.x.data)?;
     let (weight, _weight) = exec.input("weight", &args.weight)?;
     let (bias, _bias) = optional_input(exec, "bias", args.bias.as_ref())?;
