@@ -83,12 +83,12 @@ pub enum Error {
     WrongContext { what: &'static str },
     /// The stream is capturing a CUDA graph while cudarc orders buffers between streams with
     /// events (its default once a second stream exists): every buffer's event wait would break
-    /// the capture, so nothing was enqueued. Disable cudarc's event tracking before creating the
-    /// buffers you capture (README, "CUDA graphs").
+    /// the capture, so nothing was enqueued. Turn cudarc's event tracking off while capturing
+    /// (README, "CUDA graphs").
     #[error(
         "the stream is capturing a CUDA graph and cudarc's event tracking is on: waiting on a \
-         buffer's event would invalidate the capture; disable event tracking before creating the \
-         buffers you capture (README, \"CUDA graphs\")"
+         buffer's event would invalidate the capture; turn event tracking off while capturing \
+         (README, \"CUDA graphs\")"
     )]
     CaptureWithEventTracking,
     /// A grid limit of 0 blocks.

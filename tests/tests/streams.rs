@@ -277,7 +277,8 @@ fn gpu_graph_replays_match_eager_runs() {
 }
 
 /// With cudarc's event tracking on (its default once a second stream exists), a call on a
-/// capturing stream is refused before it touches anything, and the capture stays valid.
+/// capturing stream is refused before it touches anything, and the capture stays valid; with
+/// tracking turned off around the capture, the same buffers capture and replay.
 #[test]
 fn gpu_capture_with_event_tracking_is_a_typed_error() {
     let Some(ctx) = context() else { return };
@@ -296,7 +297,23 @@ fn gpu_capture_with_event_tracking_is_a_typed_error() {
     assert_eq!(capture, Ok(()), "the capture was invalidated");
     // The stream works as before.
     block.run(&gpu).unwrap();
-    stream.synchronize().unwrap();
+    let eager = block.outputs(&stream);
+    // The README's other recipe: tracking off only around the capture, on again after it.
+    unsafe { ctx.cuda().disable_event_tracking() };
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
+    let captured = block.run(&gpu);
+    let graph = stream.end_capture(CUgraphInstantiate_flags(0)).unwrap();
+    // SAFETY: every buffer here lives on this one stream.
+    unsafe { ctx.cuda().enable_event_tracking() };
+    captured.unwrap();
+    block.poison(&stream);
+    graph.expect("a graph").launch().unwrap();
+    assert!(
+        block.outputs(&stream) == eager,
+        "the replay differs from the eager run"
+    );
 }
 
 /// Several streams of one context at once, each with its own buffers and workspace, give the
