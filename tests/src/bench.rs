@@ -6,31 +6,59 @@ use std::sync::Arc;
 use normkern::cudarc::driver::sys::CUevent_flags;
 use normkern::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 
-/// Median of `reps` timings (µs) of `f`, each between two CUDA events on `stream`, after `warmup`
-/// untimed calls.
-pub fn median_us(
+/// Medians of one call's device time (CUDA events around it on the stream) and host time (what
+/// the call itself takes on the CPU: validation, planning and enqueueing), in µs.
+#[derive(Clone, Copy, Debug)]
+pub struct Timing {
+    pub device_us: f64,
+    pub host_us: f64,
+}
+
+/// Times `reps` calls of `f` after `warmup` untimed ones: [`Timing`] medians.
+pub fn time(
     ctx: &Arc<CudaContext>,
     stream: &Arc<CudaStream>,
     warmup: usize,
     reps: usize,
     mut f: impl FnMut(usize),
-) -> f64 {
+) -> Timing {
     for i in 0..warmup {
         f(i);
     }
     let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
-    let mut times = Vec::with_capacity(reps);
+    let mut device = Vec::with_capacity(reps);
+    let mut host = Vec::with_capacity(reps);
     for i in 0..reps {
         let start = ctx.new_event(flags).expect("event");
         let end = ctx.new_event(flags).expect("event");
         start.record(stream).expect("record");
+        let call = std::time::Instant::now();
         f(warmup + i);
+        host.push(call.elapsed().as_secs_f64() * 1e6);
         end.record(stream).expect("record");
         end.synchronize().expect("sync");
-        times.push(start.elapsed_ms(&end).expect("elapsed") as f64 * 1e3);
+        device.push(start.elapsed_ms(&end).expect("elapsed") as f64 * 1e3);
     }
-    times.sort_by(|a, b| a.total_cmp(b));
-    times[times.len() / 2]
+    Timing {
+        device_us: median(device),
+        host_us: median(host),
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Median of `reps` device timings (µs) of `f`; see [`time`].
+pub fn median_us(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    warmup: usize,
+    reps: usize,
+    f: impl FnMut(usize),
+) -> f64 {
+    time(ctx, stream, warmup, reps, f).device_us
 }
 
 /// Device-to-device copy bandwidth in GB/s (bytes read + bytes written), 1 GiB each way.

@@ -323,7 +323,8 @@ fn bundle(dir: PathBuf) -> Result {
 # Runs normkern's GPU tests and benchmark on a host with a CUDA driver (no Rust needed).
 # Usage: ./run.sh [tests|bench|demo|sanitize|all] [extra args for the bench]
 #   tests     every test binary, GPU tests required (NORMKERN_REQUIRE_GPU=1)
-#   sanitize  compute-sanitizer memcheck and racecheck over one quick bench pass
+#   sanitize  compute-sanitizer's memcheck, racecheck, initcheck and synccheck over the sweep
+#             (every op, dtype and kernel family once)
 #   all       tests, demo, bench
 set -uo pipefail
 cd "$(dirname "$0")"
@@ -336,9 +337,9 @@ if [[ $what == tests || $what == all ]]; then
   done
 fi
 if [[ $what == sanitize ]]; then
-  for tool in memcheck racecheck; do
-    echo "== compute-sanitizer --tool $tool"
-    compute-sanitizer --tool "$tool" --error-exitcode 99 ./bench --quick --reps 1 --warmup 0 || status=1
+  for tool in memcheck racecheck initcheck synccheck; do
+    echo "== compute-sanitizer --tool $tool ./sweep"
+    compute-sanitizer --tool "$tool" --error-exitcode 99 ./sweep || status=1
   done
 fi
 if [[ $what == demo || $what == all ]]; then ./demo || status=1; fi

@@ -7,7 +7,7 @@ use normkern::activation::{self, Activation, GatedGrad, GatedInput};
 use normkern::cudarc::driver::{CudaSlice, CudaStream};
 use normkern::{Context, Rows};
 use normkern_tests::Rng;
-use normkern_tests::bench::median_us;
+use normkern_tests::bench::{Timing, time};
 
 use crate::{Measurement, Settings};
 
@@ -43,12 +43,12 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
     let shape = format!("{rows}×{d}");
     let tensor = (n * 2) as f64;
     let mut out = Vec::new();
-    let mut record = |op: String, us: f64, bytes: f64| {
+    let mut record = |op: String, timing: Timing, bytes: f64| {
         out.push(Measurement {
             op: leak(op),
             shape: shape.clone(),
             dtype: "bf16",
-            us,
+            timing,
             bytes,
         })
     };
@@ -63,7 +63,7 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
         ]
     };
     let mut time = |f: &mut dyn FnMut(&mut Set)| {
-        median_us(
+        time(
             ctx.cuda(),
             stream,
             s.warmup,

@@ -1,21 +1,23 @@
 //! normkern's benchmark: every op against the device's copy bandwidth, measured in the same run.
 //!
-//! `cargo xtask bench [--reps N] [--warmup N] [--quick] [--shapes RxD,...]`, or `./bench` in a bundle. Times are medians of CUDA
-//! event timings after warm-up; inputs rotate over enough sets to exceed L2; bytes count the
-//! minimal traffic (each input read once, each output written once).
+//! `cargo xtask bench [--reps N] [--warmup N] [--quick] [--shapes RxD,...]`, or `./bench` in a
+//! bundle. Times are medians of CUDA event timings after warm-up; inputs rotate over enough sets
+//! to exceed L2; bytes count the minimal traffic (each input read once, each output written
+//! once). "host µs per call" is the median CPU time of the call itself (validation, launch plan,
+//! enqueueing).
 
 mod activation;
 mod norm;
 
 use normkern::Context;
-use normkern_tests::bench::copy_bandwidth;
+use normkern_tests::bench::{Timing, copy_bandwidth};
 
 /// One measured row of the table.
 pub struct Measurement {
     pub op: &'static str,
     pub shape: String,
     pub dtype: &'static str,
-    pub us: f64,
+    pub timing: Timing,
     pub bytes: f64,
 }
 
@@ -75,18 +77,19 @@ fn main() {
         ctx.ptx_arch()
     );
     println!("copy bandwidth (device-to-device, read + write): {copy:.0} GB/s");
-    println!("| op | rows×d | dtype | µs | GB/s | % of copy |");
-    println!("|---|---|---|---:|---:|---:|");
+    println!("| op | rows×d | dtype | µs | GB/s | % of copy | host µs per call |");
+    println!("|---|---|---|---:|---:|---:|---:|");
     for m in &results {
-        let gbs = m.bytes / (m.us * 1e-6) / 1e9;
+        let gbs = m.bytes / (m.timing.device_us * 1e-6) / 1e9;
         println!(
-            "| {} | {} | {} | {:.1} | {:.0} | {:.1} |",
+            "| {} | {} | {} | {:.1} | {:.0} | {:.1} | {:.1} |",
             m.op,
             m.shape,
             m.dtype,
-            m.us,
+            m.timing.device_us,
             gbs,
-            100.0 * gbs / copy
+            100.0 * gbs / copy,
+            m.timing.host_us
         );
     }
 }

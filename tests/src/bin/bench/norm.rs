@@ -6,7 +6,7 @@ use std::sync::Arc;
 use half::bf16;
 use normkern::cudarc::driver::{CudaSlice, CudaStream};
 use normkern::{Context, NormBackward, NormForward, Rows, layer_norm, rms_norm};
-use normkern_tests::bench::median_us;
+use normkern_tests::bench::time;
 use normkern_tests::{Rng, TestDtype};
 
 use crate::{Measurement, Settings};
@@ -68,7 +68,7 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
         let mut sets = sets;
         let shape = format!("{rows}×{d}");
 
-        let fwd_us = median_us(ctx.cuda(), stream, s.warmup, s.reps, |i| {
+        let fwd = time(ctx.cuda(), stream, s.warmup, s.reps, |i| {
             let k = i % sets.len();
             let set = &mut sets[k];
             let x = Rows::new(set.x.as_view(), rows, d).unwrap();
@@ -82,11 +82,11 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
             op: "rms_norm fwd",
             shape: shape.clone(),
             dtype: "bf16",
-            us: fwd_us,
+            timing: fwd,
             bytes: fwd_bytes,
         });
 
-        let bwd_us = median_us(ctx.cuda(), stream, s.warmup, s.reps, |i| {
+        let bwd = time(ctx.cuda(), stream, s.warmup, s.reps, |i| {
             let k = i % sets.len();
             let set = &mut sets[k];
             let x = Rows::new(set.x.as_view(), rows, d).unwrap();
@@ -102,12 +102,15 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
             op: "rms_norm bwd",
             shape,
             dtype: "bf16",
-            us: bwd_us,
+            timing: bwd,
             bytes: bwd_bytes,
         });
-        eprintln!("rms_norm {rows}×{d}: fwd {fwd_us:.1} µs, bwd {bwd_us:.1} µs");
+        eprintln!(
+            "rms_norm {rows}×{d}: fwd {:.1} µs, bwd {:.1} µs",
+            fwd.device_us, bwd.device_us
+        );
 
-        let fwd_us = median_us(ctx.cuda(), stream, s.warmup, s.reps, |i| {
+        let fwd = time(ctx.cuda(), stream, s.warmup, s.reps, |i| {
             let k = i % sets.len();
             let Set {
                 x, y, mean, rstd, ..
@@ -125,10 +128,10 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
             op: "layer_norm fwd",
             shape: format!("{rows}×{d}"),
             dtype: "bf16",
-            us: fwd_us,
+            timing: fwd,
             bytes,
         });
-        let bwd_us = median_us(ctx.cuda(), stream, s.warmup, s.reps, |i| {
+        let bwd = time(ctx.cuda(), stream, s.warmup, s.reps, |i| {
             let k = i % sets.len();
             let Set {
                 x,
@@ -152,10 +155,13 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
             op: "layer_norm bwd",
             shape: format!("{rows}×{d}"),
             dtype: "bf16",
-            us: bwd_us,
+            timing: bwd,
             bytes,
         });
-        eprintln!("layer_norm {rows}×{d}: fwd {fwd_us:.1} µs, bwd {bwd_us:.1} µs");
+        eprintln!(
+            "layer_norm {rows}×{d}: fwd {:.1} µs, bwd {:.1} µs",
+            fwd.device_us, bwd.device_us
+        );
         drop(sets);
         let shape = (rows, d);
         let on = (ctx, stream);
@@ -215,7 +221,7 @@ fn rms_norm_residual<H: TestDtype>(
     let mut ws = stream
         .alloc_zeros::<f32>(rms_norm::workspace_len(rows, d).unwrap())
         .unwrap();
-    let fwd_us = median_us(ctx.cuda(), stream, s.warmup, s.reps, |i| {
+    let fwd = time(ctx.cuda(), stream, s.warmup, s.reps, |i| {
         let k = i % sets.len();
         let set = &mut sets[k];
         let x = Rows::new(set.x.as_view(), rows, d).unwrap();
@@ -226,7 +232,7 @@ fn rms_norm_residual<H: TestDtype>(
         let args = args.rstd(set.rstd.as_view_mut()).residual(residual, h);
         rms_norm::forward(gpu, args).unwrap();
     });
-    let bwd_us = median_us(ctx.cuda(), stream, s.warmup, s.reps, |i| {
+    let bwd = time(ctx.cuda(), stream, s.warmup, s.reps, |i| {
         let k = i % sets.len();
         let set = &mut sets[k];
         let dy = Rows::new(set.dy.as_view(), rows, d).unwrap();
@@ -237,13 +243,16 @@ fn rms_norm_residual<H: TestDtype>(
         let args = NormBackward::new(dy, h, gamma.as_view(), dx, dgamma, ws).eps(EPS);
         rms_norm::backward(gpu, args.rstd(set.rstd.as_view()).dresidual(dresidual)).unwrap();
     });
-    eprintln!("rms_norm + residual ({dtype}) {rows}×{d}: fwd {fwd_us:.1} µs, bwd {bwd_us:.1} µs");
+    eprintln!(
+        "rms_norm + residual ({dtype}) {rows}×{d}: fwd {:.1} µs, bwd {:.1} µs",
+        fwd.device_us, bwd.device_us
+    );
     vec![
         Measurement {
             op: "rms_norm fwd + residual",
             shape: format!("{rows}×{d}"),
             dtype,
-            us: fwd_us,
+            timing: fwd,
             // x and residual read, y and residual_out written, rstd written, γ read.
             bytes: (2 * n * 2 + 2 * n * h_bytes + rows * 4 + d * 2) as f64,
         },
@@ -251,7 +260,7 @@ fn rms_norm_residual<H: TestDtype>(
             op: "rms_norm bwd + dresidual",
             shape: format!("{rows}×{d}"),
             dtype,
-            us: bwd_us,
+            timing: bwd,
             // dy read, dx written, x (residual_out) and dresidual read, rstd and γ read, dγ written.
             bytes: (2 * n * 2 + 2 * n * h_bytes + rows * 4 + 2 * d * 2) as f64,
         },
