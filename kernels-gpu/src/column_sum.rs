@@ -52,7 +52,9 @@ pub fn group_layout(rows: usize, d: usize) -> (usize, usize) {
         // scan over lo..=hi.
         let mut best = (cost(lo), lo);
         for r in 1..=rounds(lo) {
-            let p = rows.div_ceil(WIDE_ROW_TEAMS.saturating_mul(r)).clamp(lo, hi);
+            let p = rows
+                .div_ceil(WIDE_ROW_TEAMS.saturating_mul(r))
+                .clamp(lo, hi);
             best = best.min((cost(p), p));
         }
         best.1
