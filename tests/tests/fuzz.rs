@@ -2160,8 +2160,12 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 // Calls of the sizing functions and of the emulator's configuration.
 
 /// `workspace_len` of every op (and `group_layout` under it) on sizes up to overflow: the groups
-/// times d (twice for LayerNorm), or `TooLarge`.
-fn sizing_call(rng: &mut Rng, f: &mut Findings, errors: &mut BTreeMap<String, u64>) -> String {
+/// times d (twice for LayerNorm), or `TooLarge`. Returns the call and whether it fits.
+fn sizing_call(
+    rng: &mut Rng,
+    f: &mut Findings,
+    errors: &mut BTreeMap<String, u64>,
+) -> (String, bool) {
     let size = |rng: &mut Rng| match rng.below(4) {
         0 => rng.below(100),
         1 => rng.below(1 << 20),
@@ -2181,7 +2185,7 @@ fn sizing_call(rng: &mut Rng, f: &mut Findings, errors: &mut BTreeMap<String, u6
     });
     let Ok((per_group, groups, lens)) = result else {
         f.push(Violation::Panic, format!("{desc} panicked"));
-        return desc;
+        return (desc, true);
     };
     // Groups of consecutive rows that cover them all, none empty.
     let covers = per_group >= 1 && groups == rows.div_ceil(per_group);
@@ -2191,8 +2195,10 @@ fn sizing_call(rng: &mut Rng, f: &mut Findings, errors: &mut BTreeMap<String, u6
             format!("group_layout({rows}, {d}) = ({per_group}, {groups})"),
         );
     }
+    let mut fits = true;
     for (partials, got) in lens {
         let want = groups.checked_mul(d).and_then(|n| n.checked_mul(partials));
+        fits &= want.is_some();
         match (&got, want) {
             (Ok(n), Some(w)) if *n == w => {}
             (Err(e @ Error::TooLarge { .. }), None) => {
@@ -2204,11 +2210,16 @@ fn sizing_call(rng: &mut Rng, f: &mut Findings, errors: &mut BTreeMap<String, u6
             ),
         }
     }
-    desc
+    (desc, fits)
 }
 
 /// The emulator's configuration: invalid block limits, cluster sizes and grid limits are errors.
-fn config_call(rng: &mut Rng, f: &mut Findings, errors: &mut BTreeMap<String, u64>) -> String {
+/// Returns the call and whether it is valid.
+fn config_call(
+    rng: &mut Rng,
+    f: &mut Findings,
+    errors: &mut BTreeMap<String, u64>,
+) -> (String, bool) {
     let n = rng.pick(&[
         0,
         1,
@@ -2258,7 +2269,7 @@ fn config_call(rng: &mut Rng, f: &mut Findings, errors: &mut BTreeMap<String, u6
         }
         Ok(r) => f.push(Violation::WrongOutcome, format!("{desc}: {r:?}")),
     }
-    desc
+    (desc, valid)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2362,12 +2373,12 @@ fn one_call(seed: u64, verbose: bool) -> Record {
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         let op = match rng.below(100) {
             0 => {
-                let desc = sizing_call(&mut rng, &mut f, &mut errors);
-                return ("workspace_len", desc, true);
+                let (desc, valid) = sizing_call(&mut rng, &mut f, &mut errors);
+                return ("workspace_len", desc, valid);
             }
             1 => {
-                let desc = config_call(&mut rng, &mut f, &mut errors);
-                return ("Emulator config", desc, true);
+                let (desc, valid) = config_call(&mut rng, &mut f, &mut errors);
+                return ("Emulator config", desc, valid);
             }
             n => [
                 Op::RmsForward,
