@@ -6,6 +6,21 @@
 //! forward takes β ([`NormForward::bias`]) and saves μ ([`NormForward::mean`]) next to rstd; the
 //! backward takes both statistics ([`NormBackward::mean_rstd`]) and writes dβ
 //! ([`NormBackward::dbias`]) from the same pass, through the same deterministic group partials.
+//!
+//! # Special values
+//!
+//! As for [`crate::rms_norm#special-values`]: IEEE arithmetic through the formulas, as in
+//! PyTorch; rows independent (a special value in x or dy changes no other row's y, μ, rstd or
+//! dx; dγ and dβ see only its row's terms `dy·x̂` and `dy`); the dx of a row it reaches is
+//! non-finite throughout, which of NaN, +∞ and −∞ not specified; f16 and bf16 outputs past the
+//! dtype's range are ±∞. With LayerNorm's statistics:
+//!
+//! - NaN or ±∞ in a row of x (or of h = x + residual as stored): that row's μ is NaN or ±∞ and
+//!   its rstd NaN, so its y is NaN throughout, and dγ is NaN in every column; dβ is unchanged.
+//! - In a row of dy, column j: dγ_j and dβ_j are NaN or ±∞ as `Σ dy·x̂` and `Σ dy` give them.
+//! - In γ_j: column j of y is `x̂·γ_j + β_j` in every row (NaN for a NaN; ±∞, or NaN where x̂ = 0,
+//!   for ±∞); every row's dx is non-finite; dγ and dβ are unchanged.
+//! - In β_j: column j of y is β_j (NaN or that ±∞) in every row; the backward does not read β.
 
 use normkern_gpu::norm::Norm;
 

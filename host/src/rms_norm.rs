@@ -46,6 +46,26 @@
 //! )?;
 //! # Ok(()) }
 //! ```
+//!
+//! # Special values
+//!
+//! NaN and ±∞ go through the formulas above in IEEE arithmetic, as in PyTorch: nothing is checked
+//! or clamped. Rows stay independent: a special value in x or dy changes no other row's
+//! y, rstd or dx (they keep their bits), and reaches dγ only through its own row's terms `dy·x̂`.
+//!
+//! - In a row of x (with the residual fused in, of h = x + residual as stored): that row's rstd is
+//!   NaN for a NaN and 0 for ±∞ (`1/sqrt(∞)`), so its y is NaN throughout for a NaN, and NaN at
+//!   the ±∞ and ±0 elsewhere for ±∞. Its dx is non-finite throughout; dγ is NaN in the columns
+//!   where its x̂ is NaN (every column for a NaN, the ±∞'s column for ±∞).
+//! - In a row of dy, column j: that row's dx is non-finite throughout; dγ_j is NaN or ±∞ as
+//!   `Σ dy·x̂` gives it.
+//! - In γ_j: column j of y is `x̂·γ_j` in every row (NaN for a NaN; ±∞, or NaN where x̂ = 0, for
+//!   ±∞); every row's dx is non-finite throughout; dγ is unchanged.
+//! - Which of NaN, +∞ and −∞ a non-finite dx element is, is not specified (PyTorch's own backward
+//!   formulas differ on it); y, rstd and dγ are what the formulas give.
+//! - f16 and bf16 outputs are rounded to nearest: a value past the dtype's range is ±∞, never
+//!   clamped, as PyTorch's cast gives (h included: a sum past the range makes its row one holding
+//!   ±∞).
 
 use normkern_gpu::norm::Norm;
 

@@ -9,4 +9,5 @@ mod kernels;
 mod mixed_precision;
 mod reference;
 mod residual;
+mod special_values;
 mod validation;
