@@ -18,6 +18,7 @@ use normkern_gpu::kernel::Entry;
 use crate::error::{Error, Result};
 use crate::executor::private::Sealed;
 use crate::executor::{Device, Executor, Launch};
+use crate::plan::TileMemo;
 use crate::tensor::Dtype;
 
 /// PTX built by `cargo xtask build-ptx`, one per target architecture, newest first.
@@ -50,6 +51,8 @@ pub struct Context {
     grid_limit: Option<usize>,
     /// Answers of the driver's occupancy calculator, asked once per distinct question.
     occupancy: Mutex<HashMap<OccupancyKey, usize>>,
+    /// Row tiles the launch plans chose.
+    tiles: TileMemo,
 }
 
 impl std::fmt::Debug for Context {
@@ -140,6 +143,7 @@ impl Context {
             shared_opt_in: shared_opt_in.max(0) as usize,
             grid_limit: None,
             occupancy: Mutex::new(HashMap::new()),
+            tiles: TileMemo::default(),
         })
     }
 
@@ -225,6 +229,10 @@ impl Device for Context {
 
     fn max_threads(&self, kernel: Entry) -> Result<usize> {
         Ok(self.kernel(kernel)?.max_threads)
+    }
+
+    fn tile_memo(&self) -> Option<&TileMemo> {
+        Some(&self.tiles)
     }
 
     fn resident_blocks(&self, kernel: Entry, block: usize, shared_bytes: usize) -> Result<usize> {
@@ -434,7 +442,10 @@ mod tests {
     /// Keys are unique within each table, so a plan's lookup names one kernel.
     #[test]
     fn keys_are_unique_within_each_table() {
-        fn unique<K: PartialEq + std::fmt::Debug, P>(table: &normkern_gpu::kernel::Table<K, P>) {
+        fn unique<K, P>(table: &normkern_gpu::kernel::Table<K, P>)
+        where
+            K: Clone + Eq + std::hash::Hash + std::fmt::Debug,
+        {
             let keys: Vec<&K> = table.iter().map(|k| &k.key).collect();
             for (i, k) in keys.iter().enumerate() {
                 assert!(!keys[..i].contains(k), "{k:?} twice");

@@ -125,6 +125,10 @@ pub(crate) mod private {
             block: usize,
             shared_bytes: usize,
         ) -> Result<usize>;
+        /// Where this device keeps the row tiles it chose (none: choose every time).
+        fn tile_memo(&self) -> Option<&crate::plan::TileMemo> {
+            None
+        }
         /// Clusters of `cluster` blocks of this kernel that run at once on the whole device.
         fn resident_clusters(
             &self,

@@ -63,7 +63,7 @@ const STREAM_THREADS: usize = 1024;
 /// How one row is spread over a block, or over a cluster of `cluster` blocks: `vpt` accesses per
 /// thread (or [`STREAM`]) and the block size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct RowTile {
+pub struct RowTile {
     pub vpt: usize,
     pub threads: usize,
     pub cluster: usize,
@@ -162,11 +162,43 @@ pub(crate) fn threads_within_shared(
     } else {
         DEFAULT_SHARED_BYTES
     };
-    (32..=1024)
-        .step_by(32)
-        .take_while(|&threads| shared_bytes(threads) <= limit)
-        .last()
-        .unwrap_or(0)
+    // Shared memory grows with the block: the most warps within the limit, by bisection.
+    let (mut fits, mut most) = (0usize, 32usize);
+    while fits < most {
+        let warps = (fits + most).div_ceil(2);
+        if shared_bytes(32 * warps) <= limit {
+            fits = warps;
+        } else {
+            most = warps - 1;
+        }
+    }
+    32 * fits
+}
+
+/// Row tiles chosen so far, by (table, key, d, most blocks per cluster): the choice depends on
+/// nothing else, so a device keeps it and later calls skip the search.
+#[derive(Default)]
+pub struct TileMemo(std::sync::Mutex<std::collections::HashMap<TileQuestion, RowTile>>);
+
+/// What a row tile is chosen for: the table's address, the kernel key (tile fields unset), d and
+/// the most blocks per cluster.
+type TileQuestion = (usize, normkern_gpu::norm::NormKey, usize, usize);
+
+impl TileMemo {
+    /// The remembered tile for `question`, or `choose`'s, remembered.
+    pub(crate) fn get_or(
+        &self,
+        question: TileQuestion,
+        choose: impl FnOnce() -> Result<RowTile>,
+    ) -> Result<RowTile> {
+        let lock = || self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&tile) = lock().get(&question) {
+            return Ok(tile);
+        }
+        let tile = choose()?;
+        lock().insert(question, tile);
+        Ok(tile)
+    }
 }
 
 /// Whether 16-byte packs of `16 / elem_bytes` elements can serve every operand: each base address

@@ -210,7 +210,7 @@ fn column_sum_shared_bytes(threads: usize) -> usize {
 
 /// The column sums, by output dtype.
 #[cfg(not(target_arch = "nvptx64"))]
-pub static KERNELS: Table<Dtype, ColumnSumParams> = Table(&[&[&[
+pub static KERNELS: Table<Dtype, ColumnSumParams> = Table::new(&[&[&[
     crate::kernel::kernel!(table "column_sum_f32", Dtype::F32, 80, column_sum_shared_bytes, false, 0,
         column_sum::<crate::element::F32>),
     crate::kernel::kernel!(table "column_sum_f16", Dtype::F16, 80, column_sum_shared_bytes, false, 0,

@@ -55,24 +55,37 @@ pub struct Kernel<K: 'static, P: 'static> {
     pub body: unsafe fn(&P),
 }
 
-/// A family's kernels as its table macro declares them: per table line, groups of that line's
-/// instances.
+/// A family's kernels as its table macro declares them (per table line, groups of that line's
+/// instances), and an index by key built on first use.
 #[cfg(not(target_arch = "nvptx64"))]
-pub struct Table<K: 'static, P: 'static>(pub &'static [&'static [&'static [Kernel<K, P>]]]);
+pub struct Table<K: 'static, P: 'static> {
+    lines: &'static [&'static [&'static [Kernel<K, P>]]],
+    index: std::sync::OnceLock<std::collections::HashMap<K, &'static Kernel<K, P>>>,
+}
 
 #[cfg(not(target_arch = "nvptx64"))]
-impl<K: PartialEq, P> Table<K, P> {
+impl<K: Clone + Eq + core::hash::Hash, P> Table<K, P> {
+    /// The table of these lines (the family's macro writes it).
+    pub const fn new(lines: &'static [&'static [&'static [Kernel<K, P>]]]) -> Self {
+        Table {
+            lines,
+            index: std::sync::OnceLock::new(),
+        }
+    }
+
     /// Every kernel of the family.
     pub fn iter(&self) -> impl Iterator<Item = &'static Kernel<K, P>> + Clone {
-        self.0
-            .iter()
+        (self.lines.iter())
             .flat_map(|line| line.iter())
             .flat_map(|group| group.iter())
     }
 
     /// The kernel with this key, if the family has one.
     pub fn find(&self, key: &K) -> Option<&'static Kernel<K, P>> {
-        self.iter().find(|k| k.key == *key)
+        let index = self
+            .index
+            .get_or_init(|| self.iter().map(|k| (k.key.clone(), k)).collect());
+        index.get(key).copied()
     }
 }
 

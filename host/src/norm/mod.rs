@@ -139,44 +139,51 @@ impl<P: Copy> RowLaunch<P> {
                 ..base
             })
         };
-        // The compiled register tiles of this key, ascending.
-        let mut register_tiles = [0usize; 8];
-        let mut tiles = 0;
-        for k in self.table.iter() {
-            let block_tile = NormKey {
-                vpt: k.key.vpt,
-                cluster: false,
-                ..base
-            };
-            if k.key == block_tile && k.key.vpt != STREAM && tiles < register_tiles.len() {
-                register_tiles[tiles] = k.key.vpt;
-                tiles += 1;
-            }
-        }
-        register_tiles[..tiles].sort_unstable();
-        let limit = |k: &'static Kernel<NormKey, P>| -> Result<usize> {
-            let shared =
-                threads_within_shared(k.large_shared, k.shared_bytes, device.shared_opt_in());
-            Ok(device.max_threads(k.entry())?.min(shared))
-        };
-        let len = if base.vec { 16 / base.dtype.bytes() } else { 1 };
         let max_cluster = if self.clusters {
             device.max_cluster()
         } else {
             1
         };
+        let choose = || {
+            // The compiled register tiles of this key, ascending.
+            let mut register_tiles = [0usize; 8];
+            let mut tiles = 0;
+            for k in self.table.iter() {
+                let block_tile = NormKey {
+                    vpt: k.key.vpt,
+                    cluster: false,
+                    ..base
+                };
+                if k.key == block_tile && k.key.vpt != STREAM && tiles < register_tiles.len() {
+                    register_tiles[tiles] = k.key.vpt;
+                    tiles += 1;
+                }
+            }
+            register_tiles[..tiles].sort_unstable();
+            let limit = |k: &'static Kernel<NormKey, P>| -> Result<usize> {
+                let opt_in = device.shared_opt_in();
+                let shared = threads_within_shared(k.large_shared, k.shared_bytes, opt_in);
+                Ok(device.max_threads(k.entry())?.min(shared))
+            };
+            let len = if base.vec { 16 / base.dtype.bytes() } else { 1 };
+            row_tile(
+                self.d,
+                len,
+                &register_tiles[..tiles],
+                max_cluster,
+                |vpt, cluster| kernel(vpt, cluster).map(limit).transpose(),
+                prefetches,
+            )
+        };
+        let question = (self.table as *const _ as usize, base, self.d, max_cluster);
         let RowTile {
             vpt,
             threads,
             cluster,
-        } = row_tile(
-            self.d,
-            len,
-            &register_tiles[..tiles],
-            max_cluster,
-            |vpt, cluster| kernel(vpt, cluster).map(limit).transpose(),
-            prefetches,
-        )?;
+        } = match device.tile_memo() {
+            Some(memo) => memo.get_or(question, choose)?,
+            None => choose()?,
+        };
         let kernel =
             kernel(vpt, cluster > 1).ok_or(Error::Internal("the chosen tile is not compiled"))?;
         let shared_bytes = (kernel.shared_bytes)(threads);

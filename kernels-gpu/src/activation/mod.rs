@@ -64,7 +64,7 @@ macro_rules! activation_kernels {
             activation_kernels!(@export $name, $body, $acts);
         )*
         #[cfg(not(target_arch = "nvptx64"))]
-        pub static KERNELS: Table<ActivationKey, Params> = Table(&[$(
+        pub static KERNELS: Table<ActivationKey, Params> = Table::new(&[$(
             activation_kernels!(@line $name, $family, $body, $acts)
         ),*]);
     };

@@ -135,7 +135,7 @@ macro_rules! norm_kernels {
         )* )*
         $(
             #[cfg(not(target_arch = "nvptx64"))]
-            pub static $table: Table<NormKey, $params> = Table(&[$(
+            pub static $table: Table<NormKey, $params> = Table::new(&[$(
                 &[
                     norm_kernels!(@group $name, "f32", F32, $params, $body, ($shared, $large, $registers), $norm, $res, packed, $tiles),
                     norm_kernels!(@group $name, "f32", F32, $params, $body, ($shared, $large, $registers), $norm, $res, $single, $tiles),

@@ -1,6 +1,6 @@
 //! normkern's benchmark: every op against the device's copy bandwidth, measured in the same run.
 //!
-//! `cargo xtask bench [--reps N] [--warmup N] [--quick] [--shapes RxD,...]`, or `./bench` in a
+//! `cargo xtask bench [--reps N] [--warmup N] [--quick] [--shapes RxD,...] [--untracked]`, or `./bench` in a
 //! bundle. Times are medians of CUDA event timings after warm-up; inputs rotate over enough sets
 //! to exceed L2; bytes count the minimal traffic (each input read once, each output written
 //! once). "host µs per call" is the median CPU time of the call itself (validation, launch plan,
@@ -28,6 +28,12 @@ pub struct Settings {
     pub quick: bool,
     /// `--shapes 1024x65536,4096x16384`: only these norm shapes (and no activations).
     pub shapes: Option<Vec<(usize, usize)>>,
+}
+
+/// `--untracked`: cudarc's event tracking off (as for CUDA graphs), so "host µs per call" is
+/// normkern's own cost without cudarc's per-buffer event waits and records.
+fn untracked(args: &[String]) -> bool {
+    args.iter().any(|a| a == "--untracked")
 }
 
 fn main() {
@@ -62,6 +68,11 @@ fn main() {
             return;
         }
     };
+    if untracked(&args) {
+        // SAFETY: every buffer of the bench lives on its one stream.
+        unsafe { ctx.cuda().disable_event_tracking() };
+        println!("cudarc event tracking: off");
+    }
     let stream = ctx.cuda().new_stream().expect("stream");
     let name = ctx.cuda().name().unwrap_or_default();
     let copy = copy_bandwidth(ctx.cuda(), &stream, 50);
