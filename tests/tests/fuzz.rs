@@ -765,7 +765,7 @@ impl Call {
             write!(s, "\n    {}", b.describe()).unwrap();
         }
         if !self.mutations.is_empty() {
-            write!(s, "\n    made invalid: {}", self.mutations.join("; ")).unwrap();
+            write!(s, "\n    mutated: {}", self.mutations.join("; ")).unwrap();
         }
         s
     }
@@ -835,6 +835,8 @@ fn reshape(rng: &mut Rng, slot: &mut Option<Buf>) -> String {
     let b = the_mut(slot);
     let shape = other_shape(rng, (b.layout.rows, b.layout.d));
     b.layout = row_layout(rng, b.dt, shape, false);
+    // A new view: a fault of the old one (a short view, say) no longer applies.
+    b.fault = None;
     format!("{} is {}×{}", b.name, shape.0, shape.1)
 }
 
@@ -1628,6 +1630,15 @@ fn shape_of(b: &Buf) -> (usize, usize) {
     (b.layout.rows, b.layout.d)
 }
 
+/// The shape the op checks the others against: x's (preact's), or for gated calls h's (dh's).
+fn anchor(s: &Spec, o: &Operands) -> (usize, usize) {
+    shape_of(the(match s.op {
+        Op::GatedForward => &o.h,
+        Op::GatedBackward => &o.dy,
+        _ => &o.x,
+    }))
+}
+
 /// The errors `s` with operands `o` may return; none for a valid call.
 fn expected(s: &Spec, o: &Operands) -> Vec<Expect> {
     // Views are built before the call: one that cannot be is the error.
@@ -1753,11 +1764,7 @@ fn expected(s: &Spec, o: &Operands) -> Vec<Expect> {
             workspace(&mut e, activation::workspace_len(x.0, x.1).unwrap());
         }
         Op::GatedForward | Op::GatedBackward => {
-            let (rows, d) = shape_of(the(if s.op == Op::GatedForward {
-                &o.h
-            } else {
-                &o.dy
-            }));
+            let (rows, d) = anchor(s, o);
             let halves = [&o.a, &o.b, &o.h, &o.dy, &o.da, &o.db];
             let packed = [&o.ab, &o.dab];
             let disagree = halves
@@ -2354,12 +2361,16 @@ impl Stats {
         for v in kinds {
             *self.violations.entry(v).or_default() += 1;
         }
-        if !r.findings.0.is_empty() && self.failures.len() < 10 {
+        if !r.findings.0.is_empty() {
             let mut s = format!("call {index} (NORMKERN_FUZZ_REPLAY={seed}): {}", r.desc);
             for (v, message) in &r.findings.0 {
                 write!(s, "\n  {v:?}: {message}").unwrap();
             }
-            self.failures.push(s);
+            // Printed as it happens too: a long run's end may be hours away.
+            eprintln!("{s}");
+            if self.failures.len() < 10 {
+                self.failures.push(s);
+            }
         }
     }
 }
@@ -2396,6 +2407,9 @@ fn one_call(seed: u64, verbose: bool) -> Record {
             Op::RmsBackward | Op::LayerBackward => gen_norm_backward(&mut rng, op),
             _ => gen_activation(&mut rng, op),
         };
+        // Two mutations can cancel out (h and ab both a column wider): the shape is the
+        // operands' own.
+        (call.spec.rows, call.spec.d) = anchor(&call.spec, &call.ops);
         materialize(&mut rng, &mut call);
         let desc = call.describe();
         if verbose {
@@ -2409,11 +2423,6 @@ fn one_call(seed: u64, verbose: bool) -> Record {
         f.push(Violation::Panic, message);
         ("?", String::from("(not generated)"), false)
     });
-    if verbose {
-        for (v, message) in &f.0 {
-            eprintln!("  {v:?}: {message}");
-        }
-    }
     Record {
         op,
         desc,
