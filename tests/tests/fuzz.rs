@@ -2495,6 +2495,11 @@ fn fuzz_every_operation() {
     let stats = shared.into_inner().unwrap().stats;
     let summary = stats.summary(start.elapsed());
     eprintln!("{summary}");
+    // For CI's log, which shows no output of passing tests.
+    let file = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("fuzz-summary.txt");
+    if let Err(e) = std::fs::write(&file, &summary) {
+        eprintln!("fuzz: could not write {}: {e}", file.display());
+    }
     assert!(
         stats.violation_count() == 0,
         "{summary}\n{}",
