@@ -77,7 +77,9 @@ impl Context {
     /// # Ok::<(), normkern::Error>(())
     /// ```
     pub fn new(ordinal: usize) -> Result<Self> {
-        // cudarc panics on the first driver call when libcuda is missing: ask first.
+        // Loaded at run time, cudarc panics on the first driver call when libcuda is missing: ask
+        // first. Linked (the `dynamic-linking` feature), the program does not start without it.
+        #[cfg(not(feature = "dynamic-linking"))]
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err(Error::NoDriver);
         }
