@@ -2,7 +2,7 @@
 //! that launches them on one of the caller's streams ([`Gpu`]).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute_enum::{
     CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
@@ -18,7 +18,7 @@ use normkern_gpu::kernel::Entry;
 use crate::error::{Error, Result};
 use crate::executor::private::Sealed;
 use crate::executor::{Device, Executor, Launch};
-use crate::plan::TileMemo;
+use crate::plan::{Memo, TileMemo};
 use crate::tensor::Dtype;
 
 /// PTX built by `cargo xtask build-ptx`, one per target architecture, newest first.
@@ -50,7 +50,7 @@ pub struct Context {
     shared_opt_in: usize,
     grid_limit: Option<usize>,
     /// Answers of the driver's occupancy calculator, asked once per distinct question.
-    occupancy: Mutex<HashMap<OccupancyKey, usize>>,
+    occupancy: Memo<OccupancyKey, usize>,
     /// Row tiles the launch plans chose.
     tiles: TileMemo,
 }
@@ -144,7 +144,7 @@ impl Context {
             sm_count: sm_count.max(0) as usize,
             shared_opt_in: shared_opt_in.max(0) as usize,
             grid_limit: None,
-            occupancy: Mutex::new(HashMap::new()),
+            occupancy: Memo::default(),
             tiles: TileMemo::default(),
         })
     }
@@ -194,21 +194,6 @@ impl Context {
         }
         Ok(())
     }
-
-    /// The driver's occupancy answer for `key`, asked once.
-    fn occupancy(&self, key: OccupancyKey, ask: impl FnOnce() -> Result<usize>) -> Result<usize> {
-        if let Some(&n) = self.lock_occupancy().get(&key) {
-            return Ok(n);
-        }
-        let n = ask()?;
-        self.lock_occupancy().insert(key, n);
-        Ok(n)
-    }
-
-    fn lock_occupancy(&self) -> std::sync::MutexGuard<'_, HashMap<OccupancyKey, usize>> {
-        // A panic elsewhere cannot leave the map half-updated: use it as it is.
-        self.occupancy.lock().unwrap_or_else(|e| e.into_inner())
-    }
 }
 
 impl Device for Context {
@@ -239,12 +224,17 @@ impl Device for Context {
 
     fn resident_blocks(&self, kernel: Entry, block: usize, shared_bytes: usize) -> Result<usize> {
         let f = &self.kernel(kernel)?.function;
-        self.occupancy((kernel.id, block, 1, shared_bytes), || {
-            let per_sm = f
-                .occupancy_max_active_blocks_per_multiprocessor(block as u32, shared_bytes, None)
-                .map_err(Error::driver("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
-            Ok((per_sm as usize).saturating_mul(self.sm_count))
-        })
+        self.occupancy
+            .get_or((kernel.id, block, 1, shared_bytes), || {
+                let per_sm = f
+                    .occupancy_max_active_blocks_per_multiprocessor(
+                        block as u32,
+                        shared_bytes,
+                        None,
+                    )
+                    .map_err(Error::driver("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
+                Ok((per_sm as usize).saturating_mul(self.sm_count))
+            })
     }
 
     fn resident_clusters(
@@ -255,18 +245,21 @@ impl Device for Context {
         shared_bytes: usize,
     ) -> Result<usize> {
         let f = &self.kernel(kernel)?.function;
-        self.occupancy((kernel.id, block, cluster, shared_bytes), || {
-            let mut attribute = cluster_attribute(cluster);
-            let shape = (cluster, block, shared_bytes);
-            let config = launch_config(shape, std::ptr::null_mut(), &mut attribute);
-            let mut clusters: std::ffi::c_int = 0;
-            // SAFETY: a live function of this context and a config whose one attribute outlives
-            // the call.
-            unsafe { sys::cuOccupancyMaxActiveClusters(&mut clusters, f.cu_function(), &config) }
+        self.occupancy
+            .get_or((kernel.id, block, cluster, shared_bytes), || {
+                let mut attribute = cluster_attribute(cluster);
+                let shape = (cluster, block, shared_bytes);
+                let config = launch_config(shape, std::ptr::null_mut(), &mut attribute);
+                let mut clusters: std::ffi::c_int = 0;
+                // SAFETY: a live function of this context and a config whose one attribute outlives
+                // the call.
+                unsafe {
+                    sys::cuOccupancyMaxActiveClusters(&mut clusters, f.cu_function(), &config)
+                }
                 .result()
                 .map_err(Error::driver("cuOccupancyMaxActiveClusters"))?;
-            Ok(clusters.max(0) as usize)
-        })
+                Ok(clusters.max(0) as usize)
+            })
     }
 }
 

@@ -175,31 +175,34 @@ pub(crate) fn threads_within_shared(
     32 * fits
 }
 
-/// Row tiles chosen so far, by (table, key, d, most blocks per cluster): the choice depends on
-/// nothing else, so a device keeps it and later calls skip the search.
-#[derive(Default)]
-pub struct TileMemo(std::sync::Mutex<std::collections::HashMap<TileQuestion, RowTile>>);
+/// Answers that depend only on their question, kept after the first time they are worked out
+/// (the driver's occupancy answers, the row tiles the plans choose).
+pub struct Memo<K, V>(std::sync::Mutex<std::collections::HashMap<K, V>>);
 
-/// What a row tile is chosen for: the table's address, the kernel key (tile fields unset), d and
-/// the most blocks per cluster.
-type TileQuestion = (usize, normkern_gpu::norm::NormKey, usize, usize);
-
-impl TileMemo {
-    /// The remembered tile for `question`, or `choose`'s, remembered.
-    pub(crate) fn get_or(
-        &self,
-        question: TileQuestion,
-        choose: impl FnOnce() -> Result<RowTile>,
-    ) -> Result<RowTile> {
-        let lock = || self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(&tile) = lock().get(&question) {
-            return Ok(tile);
-        }
-        let tile = choose()?;
-        lock().insert(question, tile);
-        Ok(tile)
+impl<K, V> Default for Memo<K, V> {
+    fn default() -> Self {
+        Memo(std::sync::Mutex::new(std::collections::HashMap::new()))
     }
 }
+
+impl<K: Eq + std::hash::Hash, V: Copy> Memo<K, V> {
+    /// The kept answer to `question`, or `work_out`'s, kept.
+    pub(crate) fn get_or(&self, question: K, work_out: impl FnOnce() -> Result<V>) -> Result<V> {
+        // A panic elsewhere cannot leave the map half-updated: use it as it is.
+        let lock = || self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&answer) = lock().get(&question) {
+            return Ok(answer);
+        }
+        let answer = work_out()?;
+        lock().insert(question, answer);
+        Ok(answer)
+    }
+}
+
+/// Row tiles chosen so far, by (table address, kernel key with the tile fields unset, d, most
+/// blocks per cluster): the choice depends on nothing else, so a device keeps it and later calls
+/// skip the search.
+pub type TileMemo = Memo<(usize, normkern_gpu::norm::NormKey, usize, usize), RowTile>;
 
 /// Whether 16-byte packs of `16 / elem_bytes` elements can serve every operand: each base address
 /// 16-byte aligned, every stride and `d` a multiple of the pack. An absent operand may be passed
