@@ -888,6 +888,30 @@ fn bad_config(rng: &mut Rng, s: &mut Spec, which: usize) -> String {
     }
 }
 
+/// The call of `s` on `o`: in a share of calls made invalid by one or two `mutate`s, on a drawn
+/// executor.
+fn finish_call(
+    rng: &mut Rng,
+    mut s: Spec,
+    mut o: Operands,
+    mutate: impl Fn(&mut Rng, &mut Spec, &mut Operands) -> String,
+) -> Call {
+    let mut mutations = vec![];
+    if rng.chance(INVALID_SHARE) {
+        for _ in 0..1 + usize::from(rng.chance(0.25)) {
+            mutations.push(mutate(rng, &mut s, &mut o));
+        }
+    }
+    let (exec, exec_desc) = draw_executor(rng);
+    Call {
+        spec: s,
+        ops: o,
+        exec,
+        exec_desc,
+        mutations,
+    }
+}
+
 fn gen_norm_forward(rng: &mut Rng, op: Op) -> Call {
     let layer = op.layer();
     let t = rng.pick(&DTYPES);
@@ -944,20 +968,7 @@ fn gen_norm_forward(rng: &mut Rng, op: Op) -> Call {
         o.residual_out = Buf::output("residual_out", s.h, layout);
     }
 
-    let mut mutations = vec![];
-    if rng.chance(INVALID_SHARE) {
-        for _ in 0..1 + usize::from(rng.chance(0.25)) {
-            mutations.push(mutate_norm_forward(rng, &mut s, &mut o));
-        }
-    }
-    let (exec, exec_desc) = draw_executor(rng);
-    Call {
-        spec: s,
-        ops: o,
-        exec,
-        exec_desc,
-        mutations,
-    }
+    finish_call(rng, s, o, mutate_norm_forward)
 }
 
 fn mutate_norm_forward(rng: &mut Rng, s: &mut Spec, o: &mut Operands) -> String {
@@ -1088,20 +1099,7 @@ fn gen_norm_backward(rng: &mut Rng, op: Op) -> Call {
         o.dresidual = Buf::input("dresidual", s.h, layout, (-1.0, 1.0));
     }
 
-    let mut mutations = vec![];
-    if rng.chance(INVALID_SHARE) {
-        for _ in 0..1 + usize::from(rng.chance(0.25)) {
-            mutations.push(mutate_norm_backward(rng, &mut s, &mut o));
-        }
-    }
-    let (exec, exec_desc) = draw_executor(rng);
-    Call {
-        spec: s,
-        ops: o,
-        exec,
-        exec_desc,
-        mutations,
-    }
+    finish_call(rng, s, o, mutate_norm_backward)
 }
 
 fn mutate_norm_backward(rng: &mut Rng, s: &mut Spec, o: &mut Operands) -> String {
@@ -1250,20 +1248,7 @@ fn gen_activation(rng: &mut Rng, op: Op) -> Call {
         _ => unreachable!("not an activation"),
     }
 
-    let mut mutations = vec![];
-    if rng.chance(INVALID_SHARE) {
-        for _ in 0..1 + usize::from(rng.chance(0.25)) {
-            mutations.push(mutate_activation(rng, &mut o));
-        }
-    }
-    let (exec, exec_desc) = draw_executor(rng);
-    Call {
-        spec: s,
-        ops: o,
-        exec,
-        exec_desc,
-        mutations,
-    }
+    finish_call(rng, s, o, |rng, _, o| mutate_activation(rng, o))
 }
 
 fn mutate_activation(rng: &mut Rng, o: &mut Operands) -> String {

@@ -30,12 +30,6 @@ pub struct Settings {
     pub shapes: Option<Vec<(usize, usize)>>,
 }
 
-/// `--untracked`: cudarc's event tracking off (as for CUDA graphs), so "host µs per call" is
-/// normkern's own cost without cudarc's per-buffer event waits and records.
-fn untracked(args: &[String]) -> bool {
-    args.iter().any(|a| a == "--untracked")
-}
-
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let value = |flag: &str| {
@@ -68,7 +62,9 @@ fn main() {
             return;
         }
     };
-    if untracked(&args) {
+    // `--untracked`: cudarc's event tracking off (as for CUDA graphs), so "host µs per call" is
+    // normkern's own cost without cudarc's per-buffer event waits and records.
+    if args.iter().any(|a| a == "--untracked") {
         // SAFETY: every buffer of the bench lives on its one stream.
         unsafe { ctx.cuda().disable_event_tracking() };
         println!("cudarc event tracking: off");
