@@ -21,11 +21,40 @@ use crate::executor::{Device, Executor, Launch};
 use crate::plan::{Memo, TileMemo};
 use crate::tensor::Dtype;
 
-/// PTX built by `cargo xtask build-ptx`, one per target architecture, newest first.
-const PTX: [(u32, &str); 2] = [
-    (90, include_str!("../ptx/normkern_sm90.ptx")),
-    (80, include_str!("../ptx/normkern_sm80.ptx")),
+/// The kernels for one target architecture, built by `cargo xtask build-ptx`: the PTX and the
+/// cubin ptxas assembled from it.
+struct Build {
+    arch: u32,
+    ptx: &'static str,
+    cubin: &'static [u8],
+}
+
+/// One build per target architecture, newest first.
+const BUILDS: [Build; 2] = [
+    Build {
+        arch: 90,
+        ptx: include_str!("../ptx/normkern_sm90.ptx"),
+        cubin: include_bytes!("../cubin/normkern_sm90.cubin"),
+    },
+    Build {
+        arch: 80,
+        ptx: include_str!("../ptx/normkern_sm80.ptx"),
+        cubin: include_bytes!("../cubin/normkern_sm80.cubin"),
+    },
 ];
+
+/// What the driver loaded normkern's kernels from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelImage {
+    /// Machine code assembled ahead of time (a device of the build's major architecture, e.g.
+    /// sm_90 code on an H100/H200, sm_80 code on an A100 or an sm_86/sm_89 GPU): loads in
+    /// milliseconds.
+    Cubin,
+    /// PTX, compiled by the driver at load time: the fallback for newer architectures and for
+    /// drivers older than the ptxas that made the cubins. The first load on a machine takes
+    /// seconds; the driver caches the result (`~/.nv/ComputeCache`) for later processes.
+    Ptx,
+}
 
 /// A kernel as loaded: its function and what the driver says of it.
 struct Loaded {
@@ -45,6 +74,7 @@ pub struct Context {
     /// Every kernel of the tables this PTX has, by kernel id.
     kernels: HashMap<usize, Loaded>,
     ptx_arch: u32,
+    kernel_image: KernelImage,
     sm_count: usize,
     /// Dynamic shared memory one block may opt into (bytes).
     shared_opt_in: usize,
@@ -60,6 +90,7 @@ impl std::fmt::Debug for Context {
         f.debug_struct("Context")
             .field("ordinal", &self.cuda.ordinal())
             .field("ptx_arch", &self.ptx_arch)
+            .field("kernel_image", &self.kernel_image)
             .field("sm_count", &self.sm_count)
             .field("grid_limit", &self.grid_limit)
             .finish()
@@ -91,20 +122,51 @@ impl Context {
     }
 
     /// Uses a CUDA context the caller already has (so normkern mixes with other cudarc code).
+    /// Loads the cubin when the device runs it, else the PTX (see [`KernelImage`]).
     pub fn from_cuda(cuda: Arc<CudaContext>) -> Result<Self> {
+        Self::load(cuda, None)
+    }
+
+    /// Like [`Context::from_cuda`], loading the kernels from the given image only: `Ptx` makes
+    /// the driver compile them (tests of the path newer GPUs take); `Cubin` fails with
+    /// [`Error::UnsupportedDevice`] on a device whose major architecture has no cubin here.
+    pub fn from_cuda_with_image(cuda: Arc<CudaContext>, image: KernelImage) -> Result<Self> {
+        Self::load(cuda, Some(image))
+    }
+
+    fn load(cuda: Arc<CudaContext>, image: Option<KernelImage>) -> Result<Self> {
         let (major, minor) = cuda
             .compute_capability()
             .map_err(Error::driver("cuDeviceGetAttribute"))?;
         let cc = (major.max(0) as u32)
             .saturating_mul(10)
             .saturating_add(minor.max(0) as u32);
-        let &(ptx_arch, ptx) = PTX
+        let build = BUILDS
             .iter()
-            .find(|(arch, _)| *arch <= cc)
+            .find(|b| b.arch <= cc)
             .ok_or(Error::UnsupportedDevice { major, minor })?;
-        let module = cuda
-            .load_module(Ptx::from_src(ptx))
-            .map_err(Error::driver("cuModuleLoadData"))?;
+        let ptx_arch = build.arch;
+        // A cubin runs on devices of its major architecture at or above its minor one.
+        let cubin_runs = build.arch / 10 == cc / 10;
+        let load_ptx = || {
+            cuda.load_module(Ptx::from_src(build.ptx))
+                .map_err(Error::driver("cuModuleLoadData (PTX)"))
+        };
+        let load_cubin = || {
+            cuda.load_module(Ptx::from_binary(build.cubin.to_vec()))
+                .map_err(Error::driver("cuModuleLoadData (cubin)"))
+        };
+        let (module, kernel_image) = match image {
+            Some(KernelImage::Ptx) => (load_ptx()?, KernelImage::Ptx),
+            Some(KernelImage::Cubin) if cubin_runs => (load_cubin()?, KernelImage::Cubin),
+            Some(KernelImage::Cubin) => return Err(Error::UnsupportedDevice { major, minor }),
+            // A driver older than the cubins' ptxas rejects them; its JIT still takes the PTX.
+            None if cubin_runs => match load_cubin() {
+                Ok(module) => (module, KernelImage::Cubin),
+                Err(_) => (load_ptx()?, KernelImage::Ptx),
+            },
+            None => (load_ptx()?, KernelImage::Ptx),
+        };
         let attribute = |a| {
             cuda.attribute(a)
                 .map_err(Error::driver("cuDeviceGetAttribute"))
@@ -141,6 +203,7 @@ impl Context {
             _module: module,
             kernels,
             ptx_arch,
+            kernel_image,
             sm_count: sm_count.max(0) as usize,
             shared_opt_in: shared_opt_in.max(0) as usize,
             grid_limit: None,
@@ -174,6 +237,11 @@ impl Context {
     /// The architecture of the PTX in use (90 for sm_90, 80 for sm_80).
     pub fn ptx_arch(&self) -> u32 {
         self.ptx_arch
+    }
+
+    /// Whether the kernels were loaded as machine code or compiled from PTX by the driver.
+    pub fn kernel_image(&self) -> KernelImage {
+        self.kernel_image
     }
 
     /// Streaming multiprocessors on the device.
@@ -397,14 +465,14 @@ fn launch_config(
 mod tests {
     use std::collections::BTreeSet;
 
-    use super::PTX;
+    use super::{BUILDS, Build};
 
     /// The kernel tables and the committed PTX agree, without a GPU: every kernel a table
     /// declares for an architecture is an entry of its PTX (the context can load it), and every
     /// entry of the PTX is declared (nothing compiled goes unused). A stale PTX fails here too.
     #[test]
     fn every_table_kernel_is_in_the_ptx_and_every_ptx_entry_in_a_table() {
-        for (arch, ptx) in PTX {
+        for Build { arch, ptx, .. } in BUILDS {
             let entries: BTreeSet<&str> = ptx
                 .lines()
                 .filter_map(|l| l.strip_prefix(".visible .entry "))
@@ -420,6 +488,29 @@ mod tests {
             assert!(
                 undeclared.is_empty(),
                 "sm_{arch}: in no table: {undeclared:?}"
+            );
+        }
+    }
+
+    /// The cubins are ELF images with a code section per table kernel of their architecture
+    /// (that they are assembled from today's PTX, byte for byte, is `cargo xtask build-ptx
+    /// --check`'s job in CI).
+    #[test]
+    fn every_table_kernel_has_code_in_the_cubin() {
+        for Build { arch, cubin, .. } in BUILDS {
+            assert_eq!(&cubin[..4], b"\x7fELF", "sm_{arch}: not an ELF image");
+            // Section names are NUL-terminated strings of the ELF string table.
+            let sections: BTreeSet<&[u8]> = cubin
+                .split(|&b| b == 0)
+                .filter_map(|s| s.strip_prefix(b".text."))
+                .collect();
+            let missing: Vec<&str> = normkern_gpu::kernels()
+                .filter(|k| k.min_arch <= arch && !sections.contains(k.name.as_bytes()))
+                .map(|k| k.name)
+                .collect();
+            assert!(
+                missing.is_empty(),
+                "sm_{arch}: no code in the cubin for {missing:?}"
             );
         }
     }

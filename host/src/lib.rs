@@ -45,7 +45,7 @@ mod plan;
 pub mod rms_norm;
 mod tensor;
 
-pub use context::{Context, Gpu};
+pub use context::{Context, Gpu, KernelImage};
 pub use emulator::Emulator;
 pub use error::{Error, Result};
 pub use executor::Executor;

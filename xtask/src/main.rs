@@ -1,17 +1,20 @@
 //! Project tasks: `cargo xtask <task>`.
 //!
 //! - `build-ptx [--check]`: compile `normkern-gpu` to PTX for every target architecture and write
-//!   `host/ptx/normkern_<arch>.ptx`; with `--check`, rebuild and fail on any byte difference.
+//!   `host/ptx/normkern_<arch>.ptx`, then assemble each PTX with ptxas (`$PTXAS` or PATH; pin
+//!   PyPI's `nvidia-cuda-nvcc`, as CI does) into `host/cubin/normkern_<arch>.cubin`; with
+//!   `--check`, rebuild both and fail on any byte difference.
 //! - `ptxas`: run ptxas (`$PTXAS` or PATH) on every PTX; print registers, stack frame and spills per
 //!   kernel; fail when any kernel has a stack frame or spills.
-//! - `bundle [DIR]`: build the release test and bench executables and collect them with `run.sh`
+//! - `bundle [DIR]`: build the release test, bench and example executables and collect them with `run.sh`
 //!   into DIR (default `bundle/`), for a GPU host that has a driver but no Rust toolchain.
 //! - `bench [ARGS]`: run the benchmark binary here.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
-/// Target architectures with one PTX each; the host loads the newest not above the device's.
+/// Target architectures with one PTX and one cubin each; the host loads the newest not above the
+/// device's: the cubin when the device runs it (same major version), the PTX otherwise.
 const ARCHS: [&str; 2] = ["sm_80", "sm_90"];
 
 fn main() -> ExitCode {
@@ -59,6 +62,40 @@ fn ptx_path(arch: &str) -> PathBuf {
     root()
         .join("host/ptx")
         .join(format!("normkern_{}.ptx", arch.replace('_', "")))
+}
+
+fn cubin_path(arch: &str) -> PathBuf {
+    root()
+        .join("host/cubin")
+        .join(format!("normkern_{}.cubin", arch.replace('_', "")))
+}
+
+fn ptxas_program() -> String {
+    std::env::var("PTXAS").unwrap_or_else(|_| "ptxas".into())
+}
+
+/// Assembles one architecture's PTX into a cubin with ptxas's defaults (-O3, as the driver's JIT
+/// would): the machine code a cold start loads instead of JIT-compiling every entry.
+fn assemble_cubin(arch: &str, ptx: &str) -> Result<Vec<u8>> {
+    let dir = root().join("target/ptx").join(arch);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let (input, output) = (dir.join("assemble.ptx"), dir.join("assemble.cubin"));
+    std::fs::write(&input, ptx).map_err(|e| format!("{}: {e}", input.display()))?;
+    let ptxas = ptxas_program();
+    let out = Command::new(&ptxas)
+        .arg(format!("-arch={arch}"))
+        .arg(&input)
+        .arg("-o")
+        .arg(&output)
+        .output()
+        .map_err(|e| format!("cannot run ptxas ({ptxas}; set $PTXAS): {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "ptxas -arch={arch} failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    std::fs::read(&output).map_err(|e| format!("{}: {e}", output.display()))
 }
 
 /// Compiles the kernel crate for one architecture and returns the PTX text.
@@ -144,30 +181,40 @@ fn build_ptx(check: bool) -> Result {
     let mut stale = Vec::new();
     for arch in ARCHS {
         let ptx = compile_ptx(arch)?;
-        let path = ptx_path(arch);
+        let cubin = assemble_cubin(arch, &ptx)?;
+        let (ptx_file, cubin_file) = (ptx_path(arch), cubin_path(arch));
         if check {
-            let committed = std::fs::read_to_string(&path).unwrap_or_default();
-            if committed != ptx {
-                stale.push(path.display().to_string());
+            if std::fs::read(&ptx_file).unwrap_or_default() != ptx.as_bytes() {
+                stale.push(ptx_file.display().to_string());
             }
-        } else {
-            std::fs::write(&path, &ptx).map_err(|e| format!("{}: {e}", path.display()))?;
-            println!(
-                "wrote {} ({} kernels, {} bytes)",
-                path.display(),
-                ptx.matches(".entry ").count(),
-                ptx.len()
-            );
+            if std::fs::read(&cubin_file).unwrap_or_default() != cubin {
+                stale.push(cubin_file.display().to_string());
+            }
+            continue;
         }
+        for (file, bytes) in [(&ptx_file, ptx.as_bytes()), (&cubin_file, &cubin[..])] {
+            if let Some(dir) = file.parent() {
+                std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+            }
+            std::fs::write(file, bytes).map_err(|e| format!("{}: {e}", file.display()))?;
+        }
+        println!(
+            "wrote {} ({} kernels, {} bytes) and {} ({} bytes)",
+            ptx_file.display(),
+            ptx.matches(".entry ").count(),
+            ptx.len(),
+            cubin_file.display(),
+            cubin.len()
+        );
     }
     if !stale.is_empty() {
         return Err(format!(
-            "PTX out of date (run `cargo xtask build-ptx` and commit): {}",
+            "out of date (run `cargo xtask build-ptx` and commit): {}",
             stale.join(", ")
         ));
     }
     if check {
-        println!("PTX up to date for {}", ARCHS.join(", "));
+        println!("PTX and cubins up to date for {}", ARCHS.join(", "));
     }
     Ok(())
 }
@@ -219,7 +266,7 @@ fn parse_ptxas(report: &str) -> Vec<Resources> {
 }
 
 fn ptxas() -> Result {
-    let ptxas = std::env::var("PTXAS").unwrap_or_else(|_| "ptxas".into());
+    let ptxas = ptxas_program();
     let mut bad = Vec::new();
     for arch in ARCHS {
         let path = ptx_path(arch);
@@ -291,6 +338,7 @@ fn cargo_json(args: &[&str]) -> Result<String> {
 fn bundle(dir: PathBuf) -> Result {
     let tests = cargo_json(&["test", "-p", "normkern-tests", "--no-run"])?;
     let bins = cargo_json(&["build", "-p", "normkern-tests", "--bins"])?;
+    let examples = cargo_json(&["build", "-p", "normkern", "--examples"])?;
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(dir.join("tests")).map_err(|e| e.to_string())?;
     let mut test_names = Vec::new();
@@ -315,7 +363,7 @@ fn bundle(dir: PathBuf) -> Result {
             .map_err(|e| format!("{}: {e}", exe.display()))?;
         test_names.push(name);
     }
-    for exe in executables(&bins) {
+    for exe in executables(&bins).into_iter().chain(executables(&examples)) {
         let name = exe.file_name().and_then(|f| f.to_str()).unwrap_or("bin");
         std::fs::copy(&exe, dir.join(name)).map_err(|e| format!("{}: {e}", exe.display()))?;
     }

@@ -3,7 +3,7 @@
 //! nothing but zero parameter gradients.
 
 use half::{bf16, f16};
-use normkern::{Context, layer_norm, rms_norm};
+use normkern::{Context, KernelImage, layer_norm, rms_norm};
 use normkern_tests::backend::{Backend, Device};
 use normkern_tests::{Rng, TestDtype, same_bits};
 
@@ -58,6 +58,38 @@ fn gpu_backward_is_bitwise_repeatable_and_grid_invariant() {
         for (rows, d) in [(16384, 4096), (1000, 4097), (64, 65536)] {
             let case = Case::<bf16>::dense(kind, &mut rng, rows, d);
             check_bitwise_stable(&case, &gpu, 2, &grids, "gpu determinism");
+        }
+    }
+}
+
+/// The kernels load as machine code on the architectures normkern builds cubins for (sm_80 and
+/// sm_90 families), so a cold start does not wait for the driver's JIT; the PTX the driver
+/// compiles instead (newer GPUs, older drivers) gives the same bits here. Same bits needs the
+/// driver's JIT to be the ptxas that made the cubins (CUDA 13.0 on the H200 host); a driver of
+/// another version may schedule the math differently, and then only the reference check holds.
+#[test]
+fn gpu_cubin_and_ptx_give_the_same_bits() {
+    let Some(gpu) = Device::shared() else { return };
+    let cubin = gpu.exec().context();
+    let (major, _) = cubin.cuda().compute_capability().unwrap();
+    if major == 8 || major == 9 {
+        assert_eq!(cubin.kernel_image(), KernelImage::Cubin, "{cubin:?}");
+    }
+    let ptx = Context::from_cuda_with_image(cubin.cuda().clone(), KernelImage::Ptx).unwrap();
+    assert_eq!(ptx.kernel_image(), KernelImage::Ptx);
+    let from_ptx = Device::new(&ptx, gpu.stream());
+    let mut rng = Rng::fresh("gpu_cubin_ptx");
+    for kind in KINDS {
+        for (rows, d) in [(4096, 4096), (1000, 4097), (64, 65536), (300, 100)] {
+            let case = Case::<bf16>::dense(kind, &mut rng, rows, d);
+            let out = case.run(&gpu);
+            case.check(&out, "gpu cubin");
+            let again = case.run(&from_ptx);
+            case.check(&again, "gpu ptx");
+            assert!(
+                out == again,
+                "{kind:?} {rows}×{d}: the PTX build differs bitwise from the cubin"
+            );
         }
     }
 }
