@@ -1,7 +1,7 @@
-//! The CPU executor: runs the very kernel bodies that are compiled to PTX, block by block, with
-//! each block's threads as OS threads (see `normkern_gpu::arch::emu`). Same validation, same
-//! launch plans, host slices instead of device buffers. For tests and for machines without a GPU;
-//! it is slow (thousands of OS threads per launch), so keep shapes small.
+//! The CPU executor: runs the very kernel bodies that are compiled to PTX, cluster by cluster,
+//! with each GPU thread as a coroutine on the calling OS thread (see `normkern_gpu::arch::emu`).
+//! Same validation, same launch plans, host slices instead of device buffers. For tests and for
+//! machines without a GPU: one core runs every emulated thread, so keep shapes modest.
 
 use normkern_gpu::arch::emu;
 use normkern_gpu::kernel::Entry;
@@ -16,7 +16,7 @@ use crate::tensor::Dtype;
 const EMULATED_RESIDENT_BLOCKS: usize = 4;
 
 /// Clusters the emulator offers by default: up to 2 blocks, like a small sm_90 device. Wider
-/// clusters cost an OS thread per emulated thread of every block at once.
+/// clusters cost a coroutine stack per emulated thread of every block at once.
 const EMULATED_MAX_CLUSTER: usize = 2;
 
 /// Dynamic shared memory a block may opt into: the H100's and H200's 227 KiB.

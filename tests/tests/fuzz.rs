@@ -2441,8 +2441,7 @@ fn fuzz_every_operation() {
     }
     let calls = env::<u64>("NORMKERN_FUZZ_CALLS");
     let budget = Duration::from_secs_f64(env("NORMKERN_FUZZ_SECONDS").unwrap_or(50.0));
-    // Emulated launches spend much of their time waking threads at barriers: a second call in
-    // flight fills the cores the first leaves idle.
+    // An emulated launch runs on one OS thread: one call in flight per core.
     let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
     let shared = std::sync::Mutex::new(Shared {
         master: Rng::fresh("fuzz"),

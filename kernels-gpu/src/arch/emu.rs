@@ -1,13 +1,18 @@
 //! The CPU twin of the nvptx `arch` module: the emulator that runs kernel bodies on the host.
 //!
 //! [`launch`] runs a grid cluster by cluster (a cluster of one block unless the launch asks for
-//! more); the threads of a cluster are OS threads. Each block has a real barrier, per-warp
+//! more) on the calling OS thread; each GPU thread of a cluster is a stackful coroutine
+//! (corosensei) that runs until it waits — at a barrier, a shuffle or an mbarrier — and then hands
+//! control to the next, round-robin. A wait costs a context switch of a few nanoseconds instead of
+//! an OS thread's wake-up, and no OS threads are spawned. Each block has a barrier, per-warp
 //! exchange slots for the shuffles and its launch-sized shared memory, into which the other blocks
 //! of its cluster can store asynchronously (distributed shared memory), counted by mbarriers; the
 //! cluster has a barrier of its own.
-//! Misuse is reported, not hung: a barrier or shuffle that not every thread reaches times out and
-//! the launch returns an [`EmuError`] naming the kernel; shared-memory accesses are bounds-checked;
-//! a panic in any thread (an out-of-bounds index, say) ends the launch with its message.
+//! Misuse is reported, not hung: when every unfinished thread of a cluster waits on something no
+//! thread can any longer provide (a barrier or shuffle that not every thread reaches, an mbarrier
+//! phase that cannot complete), the launch returns an [`EmuError`] naming the kernel and the wait;
+//! shared-memory accesses are bounds-checked; a panic in any thread (an out-of-bounds index, say)
+//! ends the launch with its message.
 //!
 //! Where the emulator's arithmetic differs from the GPU's: `rsqrt` is `1/sqrt` rounded twice in
 //! f32 (the GPU's `rsqrt.approx.f32` is within a few ulp of that), `exp2` is the host libm's (the
@@ -20,19 +25,23 @@
 
 extern crate std;
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
+use std::rc::Rc;
 use std::string::{String, ToString};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::vec::Vec;
+
+use corosensei::stack::DefaultStack;
+use corosensei::{Coroutine, CoroutineResult, Yielder};
 
 pub use super::MAX_CLUSTER;
 use super::WARP;
 
-/// How long a thread waits at a barrier or shuffle before the launch is declared stuck.
-const STUCK_AFTER: Duration = Duration::from_secs(5);
+/// Stack of one emulated thread (kernel bodies keep their register tiles on it).
+const THREAD_STACK_BYTES: usize = 256 * 1024;
+/// Stacks an OS thread keeps for its next launches (more are freed after use).
+const POOLED_STACKS: usize = 2048;
 
 /// Why an emulated launch failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,76 +58,84 @@ impl core::fmt::Display for EmuError {
 
 impl std::error::Error for EmuError {}
 
-/// A reusable barrier for `n` threads that gives up after [`STUCK_AFTER`] or when the block is
-/// poisoned by a panicking thread.
+/// What an emulated thread tells its cluster's scheduler when it hands control back.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Yield {
+    /// It ran since it was last resumed (and may have changed what others wait for).
+    Ran,
+    /// It only found that what it waits for is still missing.
+    Blocked,
+}
+
+/// What the scheduler tells an emulated thread it resumes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Resume {
+    Run,
+    /// Every unfinished thread of the cluster is blocked, so none of the waits can end: report.
+    Stuck,
+}
+
+type ThreadYielder = Yielder<Resume, Yield>;
+
+/// Hands control to the other threads of the cluster until `done()`. When no thread can move any
+/// more, the scheduler resumes this one with [`Resume::Stuck`] and it panics with `stuck()`.
+fn wait_until(done: impl Fn() -> bool, stuck: impl Fn() -> String) {
+    if done() {
+        return;
+    }
+    let (tid, rank, yielder) = with_ctx(|c| (c.tid, c.rank, c.yielder));
+    // The first hand-over says `Ran`: this thread may have changed shared state since it was
+    // resumed. Later ones only re-checked, which the scheduler's stuck test relies on.
+    let mut how = Yield::Ran;
+    loop {
+        // SAFETY: the yielder lives on this coroutine's stack, which is running.
+        let resume = unsafe { &*yielder }.suspend(how);
+        enter(tid, rank, yielder);
+        if resume == Resume::Stuck {
+            panic!("{}", stuck());
+        }
+        if done() {
+            return;
+        }
+        how = Yield::Blocked;
+    }
+}
+
+/// A reusable barrier for `n` threads.
 struct Barrier {
     n: usize,
-    state: Mutex<(usize, u64)>,
-    cv: Condvar,
+    arrived: Cell<usize>,
+    generation: Cell<u64>,
 }
 
 impl Barrier {
     fn new(n: usize) -> Self {
         Barrier {
             n,
-            state: Mutex::new((0, 0)),
-            cv: Condvar::new(),
+            arrived: Cell::new(0),
+            generation: Cell::new(0),
         }
     }
 
-    fn wait(&self, cluster: &Cluster, block: usize, what: &str) {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let generation = st.1;
-        st.0 += 1;
-        if st.0 == self.n {
-            st.0 = 0;
-            st.1 += 1;
-            self.cv.notify_all();
+    fn wait(&self, block: usize, what: &str) {
+        let generation = self.generation.get();
+        let arrived = self.arrived.get() + 1;
+        if arrived == self.n {
+            self.arrived.set(0);
+            self.generation.set(generation + 1);
             return;
         }
-        wait_while(
-            cluster,
-            &self.cv,
-            st,
-            |st| st.1 == generation,
-            |_| {
+        self.arrived.set(arrived);
+        wait_until(
+            || self.generation.get() != generation,
+            || {
                 std::format!(
-                    "{what} not reached by all {} threads within {:?} (block {block}; a barrier \
-                     or shuffle inside divergent control flow?)",
-                    self.n,
-                    STUCK_AFTER
+                    "{what} not reached by all {} threads (block {block}; a barrier or shuffle \
+                     inside divergent control flow?)",
+                    self.n
                 )
             },
         );
-    }
-}
-
-/// Waits on `cv` while `blocked(state)`, giving up (poisoning the cluster, so its other threads
-/// stop too) after [`STUCK_AFTER`] with the message `stuck(state)`, or when another thread of the
-/// cluster has failed.
-fn wait_while<T>(
-    cluster: &Cluster,
-    cv: &Condvar,
-    mut state: std::sync::MutexGuard<'_, T>,
-    blocked: impl Fn(&T) -> bool,
-    stuck: impl Fn(&T) -> String,
-) {
-    let deadline = std::time::Instant::now() + STUCK_AFTER;
-    while blocked(&state) {
-        if cluster.poisoned.load(Ordering::SeqCst) {
-            panic!("another thread of the cluster failed");
-        }
-        let now = std::time::Instant::now();
-        if now >= deadline {
-            cluster.poisoned.store(true, Ordering::SeqCst);
-            cv.notify_all();
-            panic!("{}", stuck(&state));
-        }
-        let step = (deadline - now).min(Duration::from_millis(50));
-        state = cv
-            .wait_timeout(state, step)
-            .unwrap_or_else(|e| e.into_inner())
-            .0;
     }
 }
 
@@ -132,8 +149,7 @@ struct Block {
     warp_slots: Vec<AtomicU32>,
     shared: Vec<AtomicU32>,
     /// The mbarriers in `shared`, by word: kept beside the words, which they make unusable.
-    mbarriers: Mutex<BTreeMap<usize, Mbarrier>>,
-    mbarrier_changed: Condvar,
+    mbarriers: RefCell<BTreeMap<usize, Mbarrier>>,
 }
 
 /// An emulated mbarrier: a phase completes when every expected arrival has arrived and the bytes
@@ -150,7 +166,7 @@ struct Mbarrier {
 impl Block {
     /// Applies `f` to the mbarrier at word `i`, then completes its phase if it is due.
     fn update_mbarrier(&self, i: usize, what: &str, f: impl FnOnce(&mut Mbarrier)) {
-        let mut bars = self.mbarriers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut bars = self.mbarriers.borrow_mut();
         let Some(bar) = bars.get_mut(&i) else {
             panic!("{what} on word {i}, which holds no initialized mbarrier")
         };
@@ -158,7 +174,6 @@ impl Block {
         if bar.pending == 0 && bar.tx == 0 {
             bar.phase += 1;
             bar.pending = bar.arrivals;
-            self.mbarrier_changed.notify_all();
         }
     }
 }
@@ -169,13 +184,14 @@ struct Cluster {
     count: usize,
     blocks: Vec<Block>,
     barrier: Barrier,
-    poisoned: AtomicBool,
 }
 
+/// The emulated thread running on this OS thread now, and its cluster.
 struct ThreadCtx {
     tid: usize,
     rank: usize,
-    cluster: Arc<Cluster>,
+    yielder: *const ThreadYielder,
+    cluster: Rc<Cluster>,
 }
 
 impl ThreadCtx {
@@ -186,6 +202,17 @@ impl ThreadCtx {
 
 std::thread_local! {
     static CTX: RefCell<Option<ThreadCtx>> = const { RefCell::new(None) };
+}
+
+/// Makes thread `tid` of block `rank` the current one (each coroutine does on every resume).
+fn enter(tid: usize, rank: usize, yielder: *const ThreadYielder) {
+    CTX.with(|c| {
+        let mut c = c.borrow_mut();
+        let c = c
+            .as_mut()
+            .expect("an emulated thread runs inside its launch");
+        (c.tid, c.rank, c.yielder) = (tid, rank, yielder);
+    })
 }
 
 fn with_ctx<R>(f: impl FnOnce(&ThreadCtx) -> R) -> R {
@@ -226,18 +253,18 @@ pub fn cluster_count() -> usize {
 pub fn sync_threads() {
     let (cluster, rank) = with_ctx(|c| (c.cluster.clone(), c.rank));
     let block = &cluster.blocks[rank];
-    block.barrier.wait(&cluster, block.idx, "block barrier");
+    block.barrier.wait(block.idx, "block barrier");
 }
 
 /// Every thread of every block of the cluster waits for all the others.
 pub fn sync_cluster() {
     let (cluster, rank) = with_ctx(|c| (c.cluster.clone(), c.rank));
     let idx = cluster.blocks[rank].idx;
-    cluster.barrier.wait(&cluster, idx, "cluster barrier");
+    cluster.barrier.wait(idx, "cluster barrier");
 }
 
 /// Every lane of the warp publishes its value, waits for the whole warp, reads its partner's, and
-/// waits again so no slot is overwritten before it was read. A missing lane is a timeout.
+/// waits again so no slot is overwritten before it was read. A missing lane is reported.
 pub fn shfl_xor(v: f32, lane_mask: u32) -> f32 {
     let (cluster, rank, tid) = with_ctx(|c| (c.cluster.clone(), c.rank, c.tid));
     let block = &cluster.blocks[rank];
@@ -245,9 +272,9 @@ pub fn shfl_xor(v: f32, lane_mask: u32) -> f32 {
     let lane = tid % WARP;
     let partner = lane ^ (lane_mask as usize & (WARP - 1));
     block.warp_slots[tid].store(v.to_bits(), Ordering::SeqCst);
-    block.warp_barriers[warp].wait(&cluster, block.idx, "warp shuffle");
+    block.warp_barriers[warp].wait(block.idx, "warp shuffle");
     let out = block.warp_slots[warp * WARP + partner].load(Ordering::SeqCst);
-    block.warp_barriers[warp].wait(&cluster, block.idx, "warp shuffle");
+    block.warp_barriers[warp].wait(block.idx, "warp shuffle");
     f32::from_bits(out)
 }
 
@@ -299,8 +326,7 @@ impl SharedF32 {
                 tx: 0,
                 phase: 0,
             };
-            let mut bars = block.mbarriers.lock().unwrap_or_else(|e| e.into_inner());
-            bars.insert(i, bar);
+            block.mbarriers.borrow_mut().insert(i, bar);
         })
     }
 
@@ -319,7 +345,7 @@ impl SharedF32 {
         })
     }
 
-    /// Waits until the phase of parity `parity` has completed; a phase that never completes is
+    /// Waits until the phase of parity `parity` has completed; a phase that can never complete is
     /// reported as a stuck launch.
     ///
     /// # Safety
@@ -327,21 +353,17 @@ impl SharedF32 {
     pub unsafe fn mbarrier_wait(self, i: usize, parity: u32) {
         let (cluster, rank) = with_ctx(|c| (c.cluster.clone(), c.rank));
         let block = &cluster.blocks[rank];
-        let bars = block.mbarriers.lock().unwrap_or_else(|e| e.into_inner());
-        let phase = |bars: &BTreeMap<usize, Mbarrier>| match bars.get(&i) {
+        let phase = || match block.mbarriers.borrow().get(&i) {
             Some(bar) => bar.phase,
             None => panic!("mbarrier wait on word {i}, which holds no initialized mbarrier"),
         };
-        wait_while(
-            &cluster,
-            &block.mbarrier_changed,
-            bars,
-            |bars| phase(bars) % 2 == parity,
-            |bars| {
+        wait_until(
+            || phase() % 2 != parity,
+            || {
                 std::format!(
-                    "mbarrier at word {i} did not complete its phase {} within {STUCK_AFTER:?} \
-                     (block {}; an arrival or asynchronous store missing?)",
-                    phase(bars),
+                    "mbarrier at word {i} cannot complete its phase {} (block {}; an arrival or \
+                     asynchronous store missing?)",
+                    phase(),
                     block.idx
                 )
             },
@@ -462,20 +484,107 @@ pub fn f32x2_to_f16x2(lo: f32, hi: f32) -> u32 {
     f32_to_f16(lo) as u32 | (f32_to_f16(hi) as u32) << 16
 }
 
-/// Marks the cluster poisoned if its thread unwinds, so the others stop waiting at once.
-struct PoisonOnPanic(Arc<Cluster>);
+std::thread_local! {
+    /// Stacks of finished emulated threads, for the next clusters run on this OS thread.
+    static STACKS: RefCell<Vec<DefaultStack>> = const { RefCell::new(Vec::new()) };
+}
 
-impl Drop for PoisonOnPanic {
+type Thread = Coroutine<Resume, Yield, (), DefaultStack>;
+
+/// Clears this OS thread's current emulated thread when a cluster's run ends, however it ends.
+struct LeaveCluster;
+
+impl Drop for LeaveCluster {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.0.poisoned.store(true, Ordering::SeqCst);
-        }
+        CTX.with(|c| *c.borrow_mut() = None);
     }
 }
 
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "a thread panicked".to_string())
+}
+
+/// Runs every thread of `cluster` to its end, each a coroutine resumed round-robin until it
+/// waits. A round in which every unfinished thread only found its wait still unsatisfied changed
+/// nothing, so nothing ever will: the first of them reports what it waits for.
+fn run_cluster(cluster: Rc<Cluster>, block: usize, body: &(dyn Fn() + Sync)) -> Result<(), String> {
+    let threads = cluster.blocks.len() * block;
+    CTX.with(|c| {
+        *c.borrow_mut() = Some(ThreadCtx {
+            tid: 0,
+            rank: 0,
+            yielder: core::ptr::null(),
+            cluster,
+        })
+    });
+    let _leave = LeaveCluster;
+    let mut running: Vec<Option<Thread>> = Vec::with_capacity(threads);
+    for t in 0..threads {
+        let stack = match STACKS.with(|s| s.borrow_mut().pop()) {
+            Some(stack) => stack,
+            None => DefaultStack::new(THREAD_STACK_BYTES).map_err(|e| {
+                std::format!("could not allocate the stack of thread {t} of {threads} ({e})")
+            })?,
+        };
+        let (rank, tid) = (t / block, t % block);
+        let start = move |yielder: &ThreadYielder, _: Resume| {
+            enter(tid, rank, yielder);
+            body();
+        };
+        // SAFETY: `body` outlives every coroutine: each is run to its end or dropped (which
+        // unwinds it) before this function returns.
+        running.push(Some(unsafe { Thread::with_stack_unchecked(stack, start) }));
+    }
+    let mut unfinished = threads;
+    while unfinished > 0 {
+        let mut moved = false;
+        for slot in running.iter_mut() {
+            let Some(thread) = slot else { continue };
+            let resumed = std::panic::catch_unwind(core::panic::AssertUnwindSafe(|| {
+                thread.resume(Resume::Run)
+            }));
+            match resumed {
+                Ok(CoroutineResult::Yield(Yield::Blocked)) => {}
+                Ok(CoroutineResult::Yield(Yield::Ran)) => moved = true,
+                Ok(CoroutineResult::Return(())) => {
+                    if let Some(done) = slot.take() {
+                        let stack = done.into_stack();
+                        STACKS.with(|s| {
+                            let mut s = s.borrow_mut();
+                            if s.len() < POOLED_STACKS {
+                                s.push(stack);
+                            }
+                        });
+                    }
+                    unfinished -= 1;
+                    moved = true;
+                }
+                Err(payload) => return Err(panic_message(&*payload)),
+            }
+        }
+        if !moved {
+            let Some(thread) = running.iter_mut().flatten().next() else {
+                break;
+            };
+            let resumed = std::panic::catch_unwind(core::panic::AssertUnwindSafe(|| {
+                thread.resume(Resume::Stuck)
+            }));
+            return Err(match resumed {
+                Err(payload) => panic_message(&*payload),
+                Ok(_) => "every thread waits and none reported what for".to_string(),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Runs `body` as kernel `kernel` over `grid` blocks of `block` threads, in clusters of `cluster`
-/// blocks, with `shared_bytes` of dynamic shared memory per block. Clusters run one after another;
-/// the threads of a cluster run concurrently.
+/// blocks, with `shared_bytes` of dynamic shared memory per block. Clusters run one after another
+/// on the calling OS thread; the threads of a cluster take turns at their waits.
 pub fn launch(
     kernel: &str,
     grid: usize,
@@ -513,71 +622,17 @@ pub fn launch(
                 shared: (0..shared_bytes.div_ceil(4))
                     .map(|_| AtomicU32::new(0x7fc0_dead))
                     .collect(),
-                mbarriers: Mutex::new(BTreeMap::new()),
-                mbarrier_changed: Condvar::new(),
+                mbarriers: RefCell::new(BTreeMap::new()),
             })
             .collect();
-        let shared = Arc::new(Cluster {
+        let shared = Rc::new(Cluster {
             idx,
             count,
             blocks,
             barrier: Barrier::new(cluster * block),
-            poisoned: AtomicBool::new(false),
         });
-        let mut first_panic: Option<String> = None;
-        std::thread::scope(|s| {
-            let mut handles = Vec::with_capacity(cluster * block);
-            for t in 0..cluster * block {
-                let thread_shared = shared.clone();
-                let (rank, tid) = (t / block, t % block);
-                let spawned = std::thread::Builder::new()
-                    .stack_size(256 * 1024)
-                    .spawn_scoped(s, move || {
-                        let _guard = PoisonOnPanic(thread_shared.clone());
-                        CTX.with(|c| {
-                            *c.borrow_mut() = Some(ThreadCtx {
-                                tid,
-                                rank,
-                                cluster: thread_shared,
-                            })
-                        });
-                        body();
-                        CTX.with(|c| *c.borrow_mut() = None);
-                    });
-                match spawned {
-                    Ok(handle) => handles.push(handle),
-                    Err(e) => {
-                        // The threads already running would wait for this one at the first
-                        // barrier: poison the cluster so they give up, then report.
-                        shared.poisoned.store(true, Ordering::SeqCst);
-                        first_panic = Some(std::format!(
-                            "could not start thread {t} of {} ({e})",
-                            cluster * block
-                        ));
-                        break;
-                    }
-                }
-            }
-            for h in handles {
-                if let Err(payload) = h.join() {
-                    let msg = payload
-                        .downcast_ref::<String>()
-                        .cloned()
-                        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-                        .unwrap_or_else(|| "a thread panicked".to_string());
-                    // Keep the root cause, not the "another thread failed" echoes.
-                    if first_panic
-                        .as_ref()
-                        .is_none_or(|m| m.starts_with("another thread"))
-                    {
-                        first_panic = Some(msg);
-                    }
-                }
-            }
-        });
-        if let Some(msg) = first_panic {
-            return Err(fail(std::format!("cluster {idx}: {msg}")));
-        }
+        run_cluster(shared, block, body)
+            .map_err(|msg| fail(std::format!("cluster {idx}: {msg}")))?;
     }
     Ok(())
 }

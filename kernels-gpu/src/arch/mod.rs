@@ -2,7 +2,7 @@
 //!
 //! Kernel bodies call only these functions, never `core::arch::nvptx` or `asm!` directly. On
 //! `nvptx64` they are single PTX instructions; on any other target the [`emu`] twin implements
-//! them for the CPU emulator (threads of a block are OS threads, barriers are real barriers, shuffles
+//! them for the CPU emulator (threads of a cluster are coroutines taking turns at barriers, shuffles
 //! are warp-wide exchanges), so the very same kernel bodies run in `cargo test` without a GPU.
 
 #[cfg(target_arch = "nvptx64")]
