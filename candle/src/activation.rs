@@ -1,0 +1,226 @@
+//! Gated activations `h = f(a) · b` ([`SwiGlu`]: f = SiLU; [`GeGlu`]: f = GELU), forward and
+//! backward on normkern's kernels (the backward gives da and db in one pass, f recomputed from a).
+
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use normkern::activation::{self, Activation, GatedBackward, GatedForward, GatedGrad, GatedInput};
+use normkern::{Buffer, Executor, Rows};
+
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::CudaStorage;
+
+use crate::exec::{self, Body, Elem, next};
+
+/// A gated activation over rows of the last dimension.
+#[derive(Clone, Copy, Debug)]
+struct Gated {
+    activation: Activation,
+    d: usize,
+}
+
+impl Gated {
+    fn apply(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        if a.shape() != b.shape() {
+            candle_core::bail!(
+                "normkern-candle: gated activation of a {:?} and b {:?}: same shape needed",
+                a.shape(),
+                b.shape()
+            );
+        }
+        let gated = Gated {
+            d: a.dims().last().copied().unwrap_or(1),
+            ..*self
+        };
+        a.contiguous()?.apply_op2(&b.contiguous()?, GatedOp(gated))
+    }
+
+    fn rows(&self, elements: usize) -> usize {
+        elements / self.d.max(1)
+    }
+}
+
+/// The forward as a candle op: (a, b) → h.
+struct GatedOp(Gated);
+
+impl Body for GatedOp {
+    fn run<'a, E: Executor, T: Elem>(
+        &self,
+        exec: &E,
+        inputs: Vec<E::In<'a, T>>,
+        outputs: Vec<E::Out<'a, T>>,
+        _: E::Out<'a, f32>,
+    ) -> normkern::Result<()> {
+        let Gated { activation, d } = self.0;
+        let (mut inputs, mut outputs) = (inputs.into_iter(), outputs.into_iter());
+        let (a, b, h) = (next(&mut inputs)?, next(&mut inputs)?, next(&mut outputs)?);
+        let rows = self.0.rows(a.elements());
+        activation::gated_forward(
+            exec,
+            GatedForward {
+                activation,
+                input: GatedInput::Separate {
+                    a: Rows::new(a, rows, d)?,
+                    b: Rows::new(b, rows, d)?,
+                },
+                h: Rows::new(h, rows, d)?,
+            },
+        )
+    }
+}
+
+impl CustomOp2 for GatedOp {
+    fn name(&self) -> &'static str {
+        "normkern-gated"
+    }
+
+    fn cpu_fwd(
+        &self,
+        a: &CpuStorage,
+        la: &Layout,
+        b: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let h = exec::cpu(self, &[(a, la), (b, lb)], &[la.shape().elem_count()])?;
+        Ok((h, la.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        a: &CudaStorage,
+        la: &Layout,
+        b: &CudaStorage,
+        lb: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let h = exec::cuda(self, &[(a, la), (b, lb)], &[la.shape().elem_count()])?;
+        Ok((h, la.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        _h: &Tensor,
+        dh: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let n = a.elem_count();
+        let packed = a.apply_op3_no_bwd(b, &dh.contiguous()?, &GatedBackwardOp(self.0))?;
+        let da = packed.narrow(0, 0, n)?.reshape(a.shape())?;
+        let db = packed.narrow(0, n, n)?.reshape(b.shape())?;
+        Ok((Some(da), Some(db)))
+    }
+}
+
+/// The backward as a candle op: (a, b, dh) → da and db packed in one 1-D tensor.
+struct GatedBackwardOp(Gated);
+
+impl Body for GatedBackwardOp {
+    fn run<'a, E: Executor, T: Elem>(
+        &self,
+        exec: &E,
+        inputs: Vec<E::In<'a, T>>,
+        outputs: Vec<E::Out<'a, T>>,
+        _: E::Out<'a, f32>,
+    ) -> normkern::Result<()> {
+        let Gated { activation, d } = self.0;
+        let (mut inputs, mut outputs) = (inputs.into_iter(), outputs.into_iter());
+        let (a, b, dh) = (next(&mut inputs)?, next(&mut inputs)?, next(&mut inputs)?);
+        let (da, db) = (next(&mut outputs)?, next(&mut outputs)?);
+        let rows = self.0.rows(a.elements());
+        activation::gated_backward(
+            exec,
+            GatedBackward {
+                activation,
+                dh: Rows::new(dh, rows, d)?,
+                input: GatedInput::Separate {
+                    a: Rows::new(a, rows, d)?,
+                    b: Rows::new(b, rows, d)?,
+                },
+                grad: GatedGrad::Separate {
+                    da: Rows::new(da, rows, d)?,
+                    db: Rows::new(db, rows, d)?,
+                },
+            },
+        )
+    }
+}
+
+impl CustomOp3 for GatedBackwardOp {
+    fn name(&self) -> &'static str {
+        "normkern-gated-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        a: &CpuStorage,
+        la: &Layout,
+        b: &CpuStorage,
+        lb: &Layout,
+        dh: &CpuStorage,
+        ldh: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let n = la.shape().elem_count();
+        let packed = exec::cpu(self, &[(a, la), (b, lb), (dh, ldh)], &[n, n])?;
+        Ok((packed, Shape::from(2 * n)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        a: &CudaStorage,
+        la: &Layout,
+        b: &CudaStorage,
+        lb: &Layout,
+        dh: &CudaStorage,
+        ldh: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let n = la.shape().elem_count();
+        let packed = exec::cuda(self, &[(a, la), (b, lb), (dh, ldh)], &[n, n])?;
+        Ok((packed, Shape::from(2 * n)))
+    }
+}
+
+/// SwiGLU: `h = silu(a) · b`, gradients to a and b.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SwiGlu;
+
+impl SwiGlu {
+    /// `a` and `b` of one shape `[..., d]`.
+    pub fn forward(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        Gated {
+            activation: Activation::Silu,
+            d: 0,
+        }
+        .apply(a, b)
+    }
+}
+
+/// GeGLU: `h = gelu(a) · b`, with GELU's erf form or its tanh approximation.
+#[derive(Clone, Copy, Debug)]
+pub struct GeGlu {
+    activation: Activation,
+}
+
+impl GeGlu {
+    /// GELU as `x·Φ(x)` (erf), PyTorch's `approximate='none'`.
+    pub fn erf() -> Self {
+        GeGlu {
+            activation: Activation::GeluErf,
+        }
+    }
+
+    /// GELU's tanh approximation, PyTorch's `approximate='tanh'`.
+    pub fn tanh() -> Self {
+        GeGlu {
+            activation: Activation::GeluTanh,
+        }
+    }
+
+    /// `a` and `b` of one shape `[..., d]`.
+    pub fn forward(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        Gated {
+            activation: self.activation,
+            d: 0,
+        }
+        .apply(a, b)
+    }
+}
