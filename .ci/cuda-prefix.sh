@@ -78,10 +78,11 @@ for p in json.load(sys.stdin)["packages"]:
   # from nvcc's location. CUDA_ROOT/CUDA_PATH make cudarc's link search use the prefix instead of
   # /usr. No nvidia-smi here, so the compute capability must be given. LIBRARY_PATH is read by the
   # linker only; LD_LIBRARY_PATH is deliberately untouched (never run against the stubs).
-  export PATH="$prefix/bin:$PATH"
+  # Sourcing twice must not grow PATH/LIBRARY_PATH.
+  [[ ":$PATH:" == *":$prefix/bin:"* ]] || export PATH="$prefix/bin:$PATH"
+  [[ ":${LIBRARY_PATH:-}:" == *":$stubs:"* ]] || export LIBRARY_PATH="$stubs${LIBRARY_PATH:+:$LIBRARY_PATH}"
   export CUDA_ROOT="$prefix" CUDA_PATH="$prefix"
   export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
-  export LIBRARY_PATH="$stubs${LIBRARY_PATH:+:$LIBRARY_PATH}"
   echo "cuda-prefix: nvcc $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p') at $prefix; stubs in $stubs" >&2
 }
 _cuda_prefix_setup || { unset -f _cuda_prefix_setup; return 1; }

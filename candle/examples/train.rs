@@ -68,7 +68,9 @@ impl Block {
         let g = if fused {
             SwiGlu.forward(&a, &b)?
         } else {
-            ((&a * candle_nn::ops::sigmoid(&a)?)? * &b)?
+            // σ(a) = 1 / (1 + e^(−a)), in ops that have gradients on every device.
+            let sigmoid = (a.neg()?.exp()? + 1.0)?.recip()?;
+            ((&a * sigmoid)? * &b)?
         };
         let x = (x + g.matmul(self.down.as_tensor())?)?;
         rms(&x, &self.norm2)?.matmul(self.head.as_tensor())
