@@ -21,6 +21,12 @@ pub trait Body {
         Ok(0)
     }
 
+    /// Per input, the element at which the adapters cut it in two (each half an input of its
+    /// own), for operands candle hands over packed in one tensor.
+    fn splits(&self, _elements: usize) -> Vec<Option<usize>> {
+        Vec::new()
+    }
+
     fn run<'a, E: Executor, T: Elem>(
         &self,
         exec: &E,
@@ -60,13 +66,21 @@ pub fn cpu<B: Body>(
         inputs: &[(&CpuStorage, &Layout)],
         out_lens: &[usize],
     ) -> Result<CpuStorage> {
-        let mut views = Vec::with_capacity(inputs.len());
-        for (s, l) in inputs {
+        let elements = inputs.first().map_or(0, |(_, l)| l.shape().elem_count());
+        let splits = body.splits(elements);
+        let mut views = Vec::with_capacity(inputs.len() + splits.len());
+        for (i, (s, l)) in inputs.iter().enumerate() {
             let (start, end) = span(l)?;
-            views.push(&s.as_slice::<T>()?[start..end]);
+            let view = &s.as_slice::<T>()?[start..end];
+            match splits.get(i).copied().flatten() {
+                Some(mid) if mid <= view.len() => {
+                    let (a, b) = view.split_at(mid);
+                    views.extend([a, b]);
+                }
+                _ => views.push(view),
+            }
         }
         let mut out = vec![T::from_f64(0.0); out_lens.iter().sum()];
-        let elements = inputs.first().map_or(0, |(_, l)| l.shape().elem_count());
         let mut workspace = vec![0f32; body.workspace_len(elements).map_err(wrap)?];
         let mut pieces = Vec::with_capacity(out_lens.len());
         let mut rest = &mut out[..];
@@ -153,15 +167,23 @@ mod cuda {
             let stream = device.cuda_stream();
             let ctx = context(stream.context())?;
             let gpu = ctx.on(&stream).map_err(wrap)?;
-            let mut views = Vec::with_capacity(inputs.len());
-            for (s, l) in inputs {
+            let elements = inputs[0].1.shape().elem_count();
+            let splits = body.splits(elements);
+            let mut views = Vec::with_capacity(inputs.len() + splits.len());
+            for (i, (s, l)) in inputs.iter().enumerate() {
                 let (start, end) = span(l)?;
-                views.push(s.as_cuda_slice::<T>()?.slice(start..end));
+                let slice = s.as_cuda_slice::<T>()?;
+                match splits.get(i).copied().flatten() {
+                    Some(mid) if mid <= end - start => {
+                        views.push(slice.slice(start..start + mid));
+                        views.push(slice.slice(start + mid..end));
+                    }
+                    _ => views.push(slice.slice(start..end)),
+                }
             }
             // SAFETY: normkern writes every element of its outputs (or fails before launching,
             // and then the buffer is dropped unread).
             let mut out = unsafe { device.alloc::<T>(out_lens.iter().sum())? };
-            let elements = inputs[0].1.shape().elem_count();
             let ws_len = body.workspace_len(elements).map_err(wrap)?.max(1);
             let mut workspace = device.alloc_zeros::<f32>(ws_len)?;
             let ws = workspace.as_view_mut();

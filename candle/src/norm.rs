@@ -33,16 +33,7 @@ impl Norm {
     }
 
     fn apply(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        let last = x.dims().last().copied().unwrap_or(1);
-        if last != self.d || bias.is_some_and(|b| b.elem_count() != self.d) {
-            candle_core::bail!(
-                "normkern-candle: x {:?} is normalized over its last dimension, γ has {} elements \
-                 and β {:?}",
-                x.shape(),
-                self.d,
-                bias.map(Tensor::elem_count)
-            );
-        }
+        self.check(x, bias)?;
         let x = x.contiguous()?;
         let weight = weight.contiguous()?;
         match bias {
@@ -69,6 +60,61 @@ impl Norm {
             );
         }
         Ok(grads)
+    }
+
+    /// γ, or γ and β concatenated: the residual ops take the parameters as one operand (candle's
+    /// custom ops have at most three), and the concatenation's backward splits dγ and dβ again.
+    fn params(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        match bias {
+            Some(bias) => Tensor::cat(&[weight.flatten_all()?, bias.flatten_all()?], 0),
+            None => weight.flatten_all(),
+        }
+    }
+
+    /// `h = x + residual`, then the norm of h: returns (y, h).
+    fn apply_residual(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
+        if x.shape() != residual.shape() {
+            candle_core::bail!(
+                "normkern-candle: x {:?} and residual {:?} differ in shape",
+                x.shape(),
+                residual.shape()
+            );
+        }
+        self.check(x, bias)?;
+        let n = x.elem_count();
+        let packed = x.contiguous()?.apply_op3(
+            &residual.contiguous()?,
+            &self.params(weight, bias)?,
+            ResidualForward(*self),
+        )?;
+        let y = packed.narrow(0, 0, n)?.reshape(x.shape())?;
+        let h = packed.narrow(0, n, n)?.reshape(x.shape())?;
+        Ok((y, h))
+    }
+
+    fn check(&self, x: &Tensor, bias: Option<&Tensor>) -> Result<()> {
+        let last = x.dims().last().copied().unwrap_or(1);
+        if last != self.d || bias.is_some_and(|b| b.elem_count() != self.d) {
+            candle_core::bail!(
+                "normkern-candle: x {:?} is normalized over its last dimension, γ has {} elements \
+                 and β {:?}",
+                x.shape(),
+                self.d,
+                bias.map(Tensor::elem_count)
+            );
+        }
+        Ok(())
+    }
+
+    /// The split of the residual ops' parameter operand into γ and β.
+    fn params_split(&self) -> Option<usize> {
+        (self.kind == (Kind::Layer { bias: true })).then_some(self.d)
     }
 
     fn gradient_lens(&self, elements: usize) -> Vec<usize> {
@@ -289,6 +335,188 @@ impl CustomOp3 for Backward {
     }
 }
 
+/// The residual forward as a candle op: (x, residual, γ‖β) → [y; h] packed in one 1-D tensor.
+struct ResidualForward(Norm);
+
+impl Body for ResidualForward {
+    fn splits(&self, _elements: usize) -> Vec<Option<usize>> {
+        vec![None, None, self.0.params_split()]
+    }
+
+    fn run<'a, E: Executor, T: Elem>(
+        &self,
+        exec: &E,
+        inputs: Vec<E::In<'a, T>>,
+        outputs: Vec<E::Out<'a, T>>,
+        _: E::Out<'a, f32>,
+    ) -> normkern::Result<()> {
+        let Norm {
+            kind,
+            eps,
+            weight_offset,
+            d,
+        } = self.0;
+        let (mut inputs, mut outputs) = (inputs.into_iter(), outputs.into_iter());
+        let (x, residual, weight) = (next(&mut inputs)?, next(&mut inputs)?, next(&mut inputs)?);
+        let (y, h) = (next(&mut outputs)?, next(&mut outputs)?);
+        let rows = self.0.rows(x.elements());
+        let args = NormForward::new(Rows::new(x, rows, d)?, weight, Rows::new(y, rows, d)?)
+            .eps(eps)
+            .weight_offset(weight_offset)
+            .residual(Rows::new(residual, rows, d)?, Rows::new(h, rows, d)?);
+        match (kind, inputs.next()) {
+            (Kind::Rms, _) => rms_norm::forward(exec, args),
+            (Kind::Layer { .. }, Some(bias)) => layer_norm::forward(exec, args.bias(bias)),
+            (Kind::Layer { .. }, None) => layer_norm::forward(exec, args),
+        }
+    }
+}
+
+impl CustomOp3 for ResidualForward {
+    fn name(&self) -> &'static str {
+        "normkern-norm-residual"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        r: &CpuStorage,
+        lr: &Layout,
+        p: &CpuStorage,
+        lp: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let n = lx.shape().elem_count();
+        let packed = exec::cpu(self, &[(x, lx), (r, lr), (p, lp)], &[n, n])?;
+        Ok((packed, Shape::from(2 * n)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        lx: &Layout,
+        r: &CudaStorage,
+        lr: &Layout,
+        p: &CudaStorage,
+        lp: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let n = lx.shape().elem_count();
+        let packed = exec::cuda(self, &[(x, lx), (r, lr), (p, lp)], &[n, n])?;
+        Ok((packed, Shape::from(2 * n)))
+    }
+
+    /// dy and dh arrive packed like y and h; h is the forward's own output. dx is the gradient
+    /// of x and of the residual alike (h = x + residual).
+    fn bwd(
+        &self,
+        x: &Tensor,
+        _residual: &Tensor,
+        params: &Tensor,
+        packed: &Tensor,
+        grads: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let n = x.elem_count();
+        let h = packed.narrow(0, n, n)?;
+        let out = h.apply_op3_no_bwd(params, &grads.contiguous()?, &ResidualBackward(self.0))?;
+        let dx = out.narrow(0, 0, n)?.reshape(x.shape())?;
+        let dparams = out
+            .narrow(0, n, params.elem_count())?
+            .reshape(params.shape())?;
+        Ok((Some(dx.clone()), Some(dx), Some(dparams)))
+    }
+}
+
+/// The residual backward as a candle op: (h, γ‖β, [dy; dh]) → [dx; dγ; dβ] in one 1-D tensor.
+struct ResidualBackward(Norm);
+
+impl Body for ResidualBackward {
+    fn splits(&self, elements: usize) -> Vec<Option<usize>> {
+        // The gradients arrive as dy, then dh, each as long as h.
+        vec![None, self.0.params_split(), Some(elements)]
+    }
+
+    fn workspace_len(&self, elements: usize) -> normkern::Result<usize> {
+        Backward(self.0).workspace_len(elements)
+    }
+
+    fn run<'a, E: Executor, T: Elem>(
+        &self,
+        exec: &E,
+        inputs: Vec<E::In<'a, T>>,
+        outputs: Vec<E::Out<'a, T>>,
+        workspace: E::Out<'a, f32>,
+    ) -> normkern::Result<()> {
+        let Norm {
+            kind,
+            eps,
+            weight_offset,
+            d,
+        } = self.0;
+        // [h, γ, (β), dy, dh]: the backward needs no β, only its gradient.
+        let mut inputs = inputs;
+        let missing = || normkern::Error::Internal("normkern-candle: a gradient is missing");
+        let dh = inputs.pop().ok_or_else(missing)?;
+        let dy = inputs.pop().ok_or_else(missing)?;
+        let mut inputs = inputs.into_iter();
+        let (h, weight) = (next(&mut inputs)?, next(&mut inputs)?);
+        let mut outputs = outputs.into_iter();
+        let (dx, dweight) = (next(&mut outputs)?, next(&mut outputs)?);
+        let rows = self.0.rows(h.elements());
+        let args = NormBackward::new(
+            Rows::new(dy, rows, d)?,
+            Rows::new(h, rows, d)?,
+            weight,
+            Rows::new(dx, rows, d)?,
+            dweight,
+            workspace,
+        )
+        .eps(eps)
+        .weight_offset(weight_offset)
+        .dresidual(Rows::new(dh, rows, d)?);
+        match (kind, outputs.next()) {
+            (Kind::Rms, _) => rms_norm::backward(exec, args),
+            (Kind::Layer { .. }, Some(dbias)) => layer_norm::backward(exec, args.dbias(dbias)),
+            (Kind::Layer { .. }, None) => layer_norm::backward(exec, args),
+        }
+    }
+}
+
+impl CustomOp3 for ResidualBackward {
+    fn name(&self) -> &'static str {
+        "normkern-norm-residual-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        h: &CpuStorage,
+        lh: &Layout,
+        p: &CpuStorage,
+        lp: &Layout,
+        g: &CpuStorage,
+        lg: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let lens = self.0.gradient_lens(lh.shape().elem_count());
+        let packed = exec::cpu(self, &[(h, lh), (p, lp), (g, lg)], &lens)?;
+        Ok((packed, Shape::from(lens.iter().sum::<usize>())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        h: &CudaStorage,
+        lh: &Layout,
+        p: &CudaStorage,
+        lp: &Layout,
+        g: &CudaStorage,
+        lg: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let lens = self.0.gradient_lens(lh.shape().elem_count());
+        let packed = exec::cuda(self, &[(h, lh), (p, lp), (g, lg)], &lens)?;
+        Ok((packed, Shape::from(lens.iter().sum::<usize>())))
+    }
+}
+
 /// RMSNorm over the last dimension: `y = x / sqrt(mean(x²) + eps) · (γ + offset)`.
 #[derive(Clone, Debug)]
 pub struct RmsNorm {
@@ -319,13 +547,25 @@ impl RmsNorm {
 
     /// Normalizes `x` (`[..., d]`).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let norm = Norm {
+        self.norm().apply(x, &self.weight, None)
+    }
+}
+
+impl RmsNorm {
+    /// The pre-norm residual step fused: `h = x + residual` (rounded to x's dtype), then
+    /// `y = RmsNorm(h)`; returns `(y, h)`. Gradients reach x and residual (the same dx, as
+    /// h = x + residual) and γ.
+    pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, Tensor)> {
+        self.norm().apply_residual(x, residual, &self.weight, None)
+    }
+
+    fn norm(&self) -> Norm {
+        Norm {
             kind: Kind::Rms,
             eps: self.eps,
             weight_offset: self.weight_offset,
             d: self.weight.elem_count(),
-        };
-        norm.apply(x, &self.weight, None)
+        }
     }
 }
 
@@ -381,6 +621,26 @@ impl LayerNorm {
             d: self.weight.elem_count(),
         };
         norm.apply(x, &self.weight, self.bias.as_ref())
+    }
+}
+
+impl LayerNorm {
+    /// The pre-norm residual step fused: `h = x + residual` (rounded to x's dtype), then
+    /// `y = LayerNorm(h)`; returns `(y, h)`. Gradients reach x and residual (the same dx) and γ, β.
+    pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, Tensor)> {
+        self.norm()
+            .apply_residual(x, residual, &self.weight, self.bias.as_ref())
+    }
+
+    fn norm(&self) -> Norm {
+        Norm {
+            kind: Kind::Layer {
+                bias: self.bias.is_some(),
+            },
+            eps: self.eps,
+            weight_offset: self.weight_offset,
+            d: self.weight.elem_count(),
+        }
     }
 }
 

@@ -176,6 +176,49 @@ fn layer_norm_gradients_match_elementary_ops() -> Result<()> {
 }
 
 #[test]
+fn residual_forms_match_elementary_ops() -> Result<()> {
+    for device in devices() {
+        for dtype in DTYPES {
+            let (shape, d) = ([5, 3, 128], 128);
+            let inputs = [
+                randn(&shape, 0.0)?,
+                randn(&shape, 0.5)?,
+                randn(&[d], 1.0)?,
+                randn(&[d], 0.0)?,
+            ];
+            // y and h side by side, so the loss reaches both outputs.
+            let both = |(y, h): (Tensor, Tensor)| Tensor::cat(&[y, h], 0);
+            check(
+                "rms_norm residual",
+                &device,
+                dtype,
+                &inputs[..3],
+                |t| both(RmsNorm::new(t[2].clone(), 1e-5).forward_residual(&t[0], &t[1])?),
+                |t| {
+                    let h = (&t[0] + &t[1])?;
+                    both((rms_reference(&h, &t[2], 1e-5, 0.0)?, h))
+                },
+            )?;
+            check(
+                "layer_norm residual with β",
+                &device,
+                dtype,
+                &inputs,
+                |t| {
+                    let norm = LayerNorm::new(t[2].clone(), Some(t[3].clone()), 1e-5);
+                    both(norm.forward_residual(&t[0], &t[1])?)
+                },
+                |t| {
+                    let h = (&t[0] + &t[1])?;
+                    both((layer_reference(&h, &t[2], Some(&t[3]), 1e-5)?, h))
+                },
+            )?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
 fn gated_activation_gradients_match_elementary_ops() -> Result<()> {
     for device in devices() {
         for dtype in DTYPES {
