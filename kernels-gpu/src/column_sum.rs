@@ -20,17 +20,17 @@ pub const MIN_ROWS_PER_GROUP: usize = 16;
 /// Hopper parts (H100 SXM, H200) hold [`WIDE_ROW_TEAMS`] at a time.
 const WIDE_ROW_ELEMS: usize = 32768;
 const WIDE_ROW_TEAMS: usize = 15;
-/// Fewest rows per group of rows wider than [`WIDE_ROW_ELEMS`].
+/// Fewest rows per group of rows wider than `WIDE_ROW_ELEMS`.
 pub const MIN_WIDE_ROWS_PER_GROUP: usize = 4;
 
 /// `(rows_per_group, groups)` for `rows` rows of `d` elements: a function of the shape alone,
 /// which is what makes the gradients the same bits on every grid and every GPU. Every group has
 /// `rows_per_group` rows but the last, which has the rest.
 ///
-/// Rows wider than [`WIDE_ROW_ELEMS`] have few teams walking the groups, so the count of groups
+/// Rows wider than `WIDE_ROW_ELEMS` have few teams walking the groups, so the count of groups
 /// decides the balance: 64 groups of 16 over 15 clusters take 5 rounds where 4.3 would do. Their
 /// group size is picked (from [`MIN_WIDE_ROWS_PER_GROUP`] up to one round's worth) for the shortest
-/// busiest team of [`WIDE_ROW_TEAMS`], counting each group's partial row (f32, written and read
+/// busiest team of `WIDE_ROW_TEAMS`, counting each group's partial row (f32, written and read
 /// once) as 4/3 of a row of 16-bit x, dy and dx: 1024 rows take 15 groups of 69 (one round), and
 /// 64 rows 13 of 5. Any other team count still gets a valid layout, only a less even one.
 ///

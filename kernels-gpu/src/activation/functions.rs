@@ -110,7 +110,7 @@ fn half_erfc_nonneg<const N: usize>(a: f32, poly: &[f32; N]) -> f32 {
 }
 
 /// Complementary error function, on Numerical Recipes' `erfcc` fit (fractional error below 1.2e-7
-/// in exact arithmetic; see [`ERFCC`]) with `ex2.approx` and `rcp.approx`.
+/// in exact arithmetic; see `ERFCC`) with `ex2.approx` and `rcp.approx`.
 #[inline]
 pub fn erfc(z: f32) -> f32 {
     let r = 2.0 * half_erfc_nonneg(z.abs(), &HALF_ERFC_POLY);

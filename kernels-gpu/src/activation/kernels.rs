@@ -200,7 +200,7 @@ const DBIAS_ROWS_IN_FLIGHT: usize = 4;
 
 /// [`backward`] plus `dbias = Σ_rows dx` through the deterministic group partials: each group of
 /// `rows_per_group` consecutive rows writes one fp32 row of `partials`, summed afterwards by
-/// [`crate::reduce::column_sum`]. A work item is one group × `block_dim` columns (one access per
+/// `crate::reduce::column_sum`. A work item is one group × `block_dim` columns (one access per
 /// thread); blocks take items by grid stride, so the host can launch one block per item. Which
 /// block takes an item never changes the order of any sum.
 ///

@@ -1,5 +1,5 @@
 //! The backward: dx and one dγ (and dβ) partial row per group of rows, from a register tile
-//! ([`super::tile`]), rows staged through shared memory ([`super::staged`]) or a streamed row.
+//! (`super::tile`), rows staged through shared memory (`super::staged`) or a streamed row.
 
 use super::Normalization;
 use super::params::BackwardParams;
@@ -15,7 +15,7 @@ use crate::reduce::{PendingSums, RowReducer, Team};
 /// groups by grid stride), then [`crate::column_sum`] over the partials.
 ///
 /// # Safety
-/// As for [`forward`]; each partials buffer holds `groups · d` f32, 16-byte aligned.
+/// As for `forward`; each partials buffer holds `groups · d` f32, 16-byte aligned.
 #[inline(always)]
 pub unsafe fn backward<
     T: Element,

@@ -20,7 +20,7 @@
 //! backward adds the gradient arriving on `residual_out` into dx before its one rounding. Residual
 //! rows are in the activations' dtype or f32 (a runtime flag, like the parameters'), so one kernel
 //! covers both. The plain kernels contain none of it: where the row comes from is a type parameter
-//! of the bodies ([`rows`]), so they do no residual work.
+//! of the bodies (`rows`), so they do no residual work.
 //!
 //! One block works on one row at a time. Register tiles (`VPT` = 1, 2, 4 accesses per thread)
 //! load the whole row once and keep it on chip: 16-byte packs give every thread `VPT·16` bytes in
@@ -28,12 +28,12 @@
 //! (sm_90; the `CLUSTER` instances, [`crate::reduce::Team`]): each block holds its share of the
 //! row and [`crate::reduce::RowReducer`] adds the blocks' partial sums through distributed shared
 //! memory; their backward has its rows copied into a ring in shared memory by the copy engine
-//! ([`staged`]). Rows wider still, or any too wide for a block before sm_90, use the streaming
+//! (`staged`). Rows wider still, or any too wide for a block before sm_90, use the streaming
 //! instance (`VPT` = [`STREAM`]), which reads the row more than once (the later reads mostly hit
 //! L2), over a cluster where there is one.
 //!
-//! Parts: [`params`] (launch parameters), [`rows`] (where a row comes from, γ/β, statistics),
-//! [`forward`], [`backward`] (its register tile in [`tile`], the staged ring in [`staged`]),
+//! Parts: `params` (launch parameters), `rows` (where a row comes from, γ/β, statistics),
+//! `forward`, `backward` (its register tile in `tile`, the staged ring in `staged`),
 //! [`policy`] (per-instance choices and shared memory), and the kernel table below.
 
 pub mod backward;

@@ -31,7 +31,7 @@ pub const fn gamma_in_shared(centered: bool, vpt: usize) -> bool {
 }
 
 /// Whether a backward instance stages its rows through shared memory
-/// ([`super::staged::StagedRows`]): the plain register tiles of a cluster. Their blocks wait on
+/// (`super::staged::StagedRows`): the plain register tiles of a cluster. Their blocks wait on
 /// each other every row, so each row waits for the slowest block's loads; the copy engine keeps
 /// three rows in flight where registers held one.
 pub const fn staged(cluster: bool, residual: bool, vpt: usize) -> bool {

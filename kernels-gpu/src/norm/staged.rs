@@ -28,7 +28,7 @@ pub(super) fn row_ahead(
     }
 }
 
-/// Rows in flight per block of a [`staged`] backward. Each holds the block's share of x and dy
+/// Rows in flight per block of a `staged` backward. Each holds the block's share of x and dy
 /// (at 4 packs × 256 threads, 32 KiB); four keep three rows loading while one is worked on. Groups
 /// of dγ rows must have at least this many rows (but the last of all), as the ring looks this far
 /// ahead into a team's next group only: every layout [`crate::column_sum::group_layout`] makes has.
