@@ -180,6 +180,19 @@ impl CustomOp3 for GatedBackwardOp {
 }
 
 /// SwiGLU: `h = silu(a) · b`, gradients to a and b.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use normkern_candle::{GeGlu, SwiGlu};
+///
+/// let a = Tensor::new(&[[0f32, 1.0]], &Device::Cpu)?;
+/// let b = Tensor::new(&[[3f32, 4.0]], &Device::Cpu)?;
+/// let h = SwiGlu.forward(&a, &b)?.to_vec2::<f32>()?;
+/// assert!(h[0][0] == 0.0 && (h[0][1] - 4.0 * 0.7310586).abs() < 1e-5);
+/// let h = GeGlu::erf().forward(&a, &b)?.to_vec2::<f32>()?;
+/// assert!((h[0][1] - 4.0 * 0.8413447).abs() < 1e-5);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SwiGlu;
 

@@ -518,6 +518,21 @@ impl CustomOp3 for ResidualBackward {
 }
 
 /// RMSNorm over the last dimension: `y = x / sqrt(mean(x²) + eps) · (γ + offset)`.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use normkern_candle::RmsNorm;
+///
+/// let norm = RmsNorm::new(Tensor::ones(4, DType::F32, &Device::Cpu)?, 1e-6);
+/// let x = Tensor::new(&[[2f32, -2.0, 2.0, -2.0]], &Device::Cpu)?;
+/// let y = norm.forward(&x)?.to_vec2::<f32>()?;
+/// assert!((y[0][0] - 1.0).abs() < 1e-5 && (y[0][1] + 1.0).abs() < 1e-5);
+///
+/// // The pre-norm residual step: h = x + residual, y = RmsNorm(h).
+/// let (y, h) = norm.forward_residual(&x, &x.ones_like()?)?;
+/// assert_eq!(h.to_vec2::<f32>()?, [[3.0, -1.0, 3.0, -1.0]]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
 #[derive(Clone, Debug)]
 pub struct RmsNorm {
     weight: Tensor,
@@ -577,6 +592,23 @@ impl Module for RmsNorm {
 
 /// LayerNorm over the last dimension: `y = (x − mean) / sqrt(var + eps) · (γ + offset) + β`,
 /// β optional.
+///
+/// ```
+/// use candle_core::{D, DType, Device, Tensor, Var};
+/// use normkern_candle::LayerNorm;
+///
+/// let d = 8;
+/// let gamma = Var::ones(d, DType::F32, &Device::Cpu)?;
+/// let beta = Var::zeros(d, DType::F32, &Device::Cpu)?;
+/// let norm = LayerNorm::new(gamma.as_tensor().clone(), Some(beta.as_tensor().clone()), 1e-5);
+/// let x = Tensor::randn(3f32, 2.0, (16, d), &Device::Cpu)?;
+/// let y = norm.forward(&x)?;
+/// let mean = y.mean_keepdim(D::Minus1)?.abs()?.max_all()?.to_scalar::<f32>()?;
+/// assert!(mean < 1e-5);
+/// let grads = y.sqr()?.sum_all()?.backward()?;
+/// assert_eq!(grads.get(&beta).unwrap().dims(), &[d]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
 #[derive(Clone, Debug)]
 pub struct LayerNorm {
     weight: Tensor,

@@ -174,6 +174,11 @@ pub struct GatedBackward<'a, E: Executor, T: Dtype> {
 }
 
 /// f32 elements of workspace a backward with dbias needs for `rows × d`.
+///
+/// ```
+/// assert!(normkern::activation::workspace_len(4096, 11008)? >= 11008);
+/// # Ok::<(), normkern::Error>(())
+/// ```
 pub fn workspace_len(rows: usize, d: usize) -> Result<usize> {
     group_layout(rows, d)
         .1
@@ -184,7 +189,7 @@ pub fn workspace_len(rows: usize, d: usize) -> Result<usize> {
         })
 }
 
-/// `y = f(x)`.
+/// `y = f(x)`. Example: the module's.
 pub fn forward<E: Executor, T: Dtype>(exec: &E, mut args: Forward<'_, E, T>) -> Result<()> {
     args.y.expect_shape("y", args.x.rows, args.x.d)?;
     exec.prepare()?;
@@ -198,6 +203,22 @@ pub fn forward<E: Executor, T: Dtype>(exec: &E, mut args: Forward<'_, E, T>) -> 
 
 /// `dx = dy · f'(preact)`, and with [`Backward::dbias`] `dbias = Σ_rows dx`. With no rows, dbias
 /// is zero.
+///
+/// ```
+/// use normkern::activation::{self, Activation, Backward};
+/// use normkern::{Emulator, Rows};
+///
+/// let (rows, d) = (3, 2);
+/// let preact = [1.0f32, -1.0, 2.0, -2.0, 0.5, -0.5];
+/// let mut dy = [1.0f32; 6];
+/// let (mut dbias, mut workspace) = ([0.0f32; 2], vec![0.0f32; activation::workspace_len(rows, d)?]);
+/// // ReLU: dx = dy where preact > 0, else 0; written over dy; dbias = Σ_rows dx.
+/// let args = Backward::in_place(Activation::Relu, Rows::new(&mut dy[..], rows, d)?, Rows::new(&preact[..], rows, d)?)
+///     .dbias(&mut dbias[..], &mut workspace[..]);
+/// activation::backward(&Emulator::new(), args)?;
+/// assert_eq!((dy, dbias), ([1.0, 0.0, 1.0, 0.0, 1.0, 0.0], [3.0, 0.0]));
+/// # Ok::<(), normkern::Error>(())
+/// ```
 pub fn backward<E: Executor, T: Dtype>(exec: &E, mut args: Backward<'_, E, T>) -> Result<()> {
     let (rows, d) = (args.preact.rows, args.preact.d);
     match &args.grad {
@@ -286,6 +307,24 @@ fn gated_input<'g, E: Executor, T: Dtype>(
 }
 
 /// `h = f(a) · b`.
+///
+/// ```
+/// use normkern::activation::{self, Activation, GatedForward, GatedInput};
+/// use normkern::{Emulator, Rows};
+///
+/// // SwiGLU over one [rows, 2·d] tensor: a is each row's first half, b its second.
+/// let (rows, d) = (1, 2);
+/// let ab = [0.0f32, 1.0, 3.0, 4.0];
+/// let mut h = [0.0f32; 2];
+/// activation::gated_forward(&Emulator::new(), GatedForward {
+///     activation: Activation::Silu,
+///     input: GatedInput::Packed(Rows::new(&ab[..], rows, 2 * d)?),
+///     h: Rows::new(&mut h[..], rows, d)?,
+/// })?;
+/// // silu(0) · 3 = 0, silu(1) · 4 = 4 · 0.7310586.
+/// assert!(h[0] == 0.0 && (h[1] - 2.9242344).abs() < 1e-5);
+/// # Ok::<(), normkern::Error>(())
+/// ```
 pub fn gated_forward<E: Executor, T: Dtype>(
     exec: &E,
     mut args: GatedForward<'_, E, T>,
@@ -300,6 +339,24 @@ pub fn gated_forward<E: Executor, T: Dtype>(
 }
 
 /// `da = dh · b · f'(a)`, `db = dh · f(a)` in one pass.
+///
+/// ```
+/// use normkern::activation::{self, Activation, GatedBackward, GatedGrad, GatedInput};
+/// use normkern::{Emulator, Rows};
+///
+/// let (rows, d) = (1, 2);
+/// let (a, b, dh) = ([0.0f32, 1.0], [3.0f32, 4.0], [1.0f32, 1.0]);
+/// let (mut da, mut db) = ([0.0f32; 2], [0.0f32; 2]);
+/// activation::gated_backward(&Emulator::new(), GatedBackward {
+///     activation: Activation::Silu,
+///     dh: Rows::new(&dh[..], rows, d)?,
+///     input: GatedInput::Separate { a: Rows::new(&a[..], rows, d)?, b: Rows::new(&b[..], rows, d)? },
+///     grad: GatedGrad::Separate { da: Rows::new(&mut da[..], rows, d)?, db: Rows::new(&mut db[..], rows, d)? },
+/// })?;
+/// // silu'(0) = 1/2, so da[0] = 3/2; db = silu(a).
+/// assert!((da[0] - 1.5).abs() < 1e-6 && db[0] == 0.0 && (db[1] - 0.7310586).abs() < 1e-6);
+/// # Ok::<(), normkern::Error>(())
+/// ```
 pub fn gated_backward<E: Executor, T: Dtype>(
     exec: &E,
     mut args: GatedBackward<'_, E, T>,

@@ -123,6 +123,15 @@ impl Context {
 
     /// Uses a CUDA context the caller already has (so normkern mixes with other cudarc code).
     /// Loads the cubin when the device runs it, else the PTX (see [`KernelImage`]).
+    ///
+    /// ```no_run
+    /// use normkern::cudarc::driver::CudaContext;
+    ///
+    /// let cuda = CudaContext::new(0).unwrap(); // yours, shared with your other kernels
+    /// let ctx = normkern::Context::from_cuda(cuda.clone())?;
+    /// println!("kernels for sm_{} from {:?}", ctx.ptx_arch(), ctx.kernel_image());
+    /// # Ok::<(), normkern::Error>(())
+    /// ```
     pub fn from_cuda(cuda: Arc<CudaContext>) -> Result<Self> {
         Self::load(cuda, None)
     }
@@ -130,6 +139,14 @@ impl Context {
     /// Like [`Context::from_cuda`], loading the kernels from the given image only: `Ptx` makes
     /// the driver compile them (tests of the path newer GPUs take); `Cubin` fails with
     /// [`Error::UnsupportedDevice`] on a device whose major architecture has no cubin here.
+    ///
+    /// ```no_run
+    /// use normkern::{Context, KernelImage, cudarc::driver::CudaContext};
+    ///
+    /// let ptx = Context::from_cuda_with_image(CudaContext::new(0).unwrap(), KernelImage::Ptx)?;
+    /// assert_eq!(ptx.kernel_image(), KernelImage::Ptx);
+    /// # Ok::<(), normkern::Error>(())
+    /// ```
     pub fn from_cuda_with_image(cuda: Arc<CudaContext>, image: KernelImage) -> Result<Self> {
         Self::load(cuda, Some(image))
     }

@@ -31,7 +31,64 @@ use crate::tensor::Dtype;
 
 norm_calls!(
     Norm::Layer,
-    forward: "LayerNorm forward: writes `y` and, when asked, `mean` and `rstd`.",
-    backward: "LayerNorm backward: writes `dx`, `dweight` and, when asked, `dbias`. With no rows, the parameter gradients are set to zero.",
-    workspace: "f32 elements of workspace the backward needs for `rows × d` (room for dγ and dβ partials)."
+    forward: {
+        /// LayerNorm forward: writes `y` and, when asked, `mean` and `rstd`.
+        ///
+        /// ```
+        /// use normkern::{Emulator, NormForward, Rows, layer_norm};
+        ///
+        /// let (rows, d) = (1, 4);
+        /// let x = [1.0f32, 3.0, 1.0, 3.0];
+        /// let (weight, bias) = ([2.0f32; 4], [0.5f32; 4]);
+        /// let (mut y, mut mean) = ([0.0f32; 4], [0.0f32; 1]);
+        /// let args = NormForward::new(Rows::new(&x[..], rows, d)?, &weight[..], Rows::new(&mut y[..], rows, d)?)
+        ///     .eps(1e-6)
+        ///     .bias(&bias[..])
+        ///     .mean(&mut mean[..]);
+        /// layer_norm::forward(&Emulator::new(), args)?;
+        /// // mean 2, variance 1: x̂ = ±1, y = 2·x̂ + 0.5.
+        /// assert!(mean[0] == 2.0 && (y[0] + 1.5).abs() < 1e-5 && (y[1] - 2.5).abs() < 1e-5);
+        /// # Ok::<(), normkern::Error>(())
+        /// ```
+    },
+    backward: {
+        /// LayerNorm backward: writes `dx`, `dweight` and, when asked, `dbias`. With no rows, the
+        /// parameter gradients are set to zero.
+        ///
+        /// ```
+        /// use normkern::{Emulator, NormBackward, Rows, layer_norm};
+        ///
+        /// let (rows, d) = (2, 4);
+        /// let x = [1.0f32, 3.0, 1.0, 3.0, 0.0, 4.0, 0.0, 4.0];
+        /// let dy = [1.0f32, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0];
+        /// let weight = [1.0f32; 4];
+        /// let (mut dx, mut dweight, mut dbias) = ([0.0f32; 8], [0.0f32; 4], [0.0f32; 4]);
+        /// let mut workspace = vec![0.0f32; layer_norm::workspace_len(rows, d)?];
+        /// let args = NormBackward::new(
+        ///     Rows::new(&dy[..], rows, d)?,
+        ///     Rows::new(&x[..], rows, d)?,
+        ///     &weight[..],
+        ///     Rows::new(&mut dx[..], rows, d)?,
+        ///     &mut dweight[..],
+        ///     &mut workspace[..],
+        /// )
+        /// .eps(1e-6)
+        /// .dbias(&mut dbias[..]);
+        /// layer_norm::backward(&Emulator::new(), args)?;
+        /// // dβ = Σ_rows dy; dγ_0 = Σ_rows dy·x̂ = −1 − 1; each row's dx sums to zero.
+        /// assert_eq!(dbias, [2.0, 0.0, 0.0, 0.0]);
+        /// assert!((dweight[0] + 2.0).abs() < 1e-5 && dx[..4].iter().sum::<f32>().abs() < 1e-5);
+        /// # Ok::<(), normkern::Error>(())
+        /// ```
+    },
+    workspace: {
+        /// f32 elements of workspace the backward needs for `rows × d` (room for dγ and dβ
+        /// partials).
+        ///
+        /// ```
+        /// use normkern::{layer_norm, rms_norm};
+        /// assert_eq!(layer_norm::workspace_len(1000, 512)?, 2 * rms_norm::workspace_len(1000, 512)?);
+        /// # Ok::<(), normkern::Error>(())
+        /// ```
+    }
 );

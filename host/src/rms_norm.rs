@@ -76,7 +76,63 @@ use crate::tensor::Dtype;
 
 norm_calls!(
     Norm::Rms,
-    forward: "RMSNorm forward: writes `y` and, when asked, `rstd`. `bias` and `mean` must be `None`.",
-    backward: "RMSNorm backward: writes `dx` and `dweight`. `mean` and `dbias` must be `None`. With no rows, `dweight` is set to zero.",
-    workspace: "f32 elements of workspace the backward needs for `rows × d`."
+    forward: {
+        /// RMSNorm forward: writes `y` and, when asked, `rstd`. `bias` and `mean` must be `None`.
+        ///
+        /// ```
+        /// use normkern::{Emulator, NormForward, Rows, rms_norm};
+        ///
+        /// let (rows, d) = (2, 4);
+        /// let x = [1.0f32, -1.0, 1.0, -1.0, 2.0, 2.0, -2.0, -2.0];
+        /// let weight = [1.0f32, 2.0, 3.0, 4.0];
+        /// let (mut y, mut rstd) = ([0.0f32; 8], [0.0f32; 2]);
+        /// let args = NormForward::new(Rows::new(&x[..], rows, d)?, &weight[..], Rows::new(&mut y[..], rows, d)?)
+        ///     .eps(1e-6)
+        ///     .rstd(&mut rstd[..]);
+        /// rms_norm::forward(&Emulator::new(), args)?;
+        /// // Row 1: mean(x²) = 4, so rstd = 1/2 and y = x/2 · γ.
+        /// let expected = [1.0, 2.0, -3.0, -4.0];
+        /// assert!((rstd[1] - 0.5).abs() < 1e-6);
+        /// assert!(y[4..].iter().zip(expected).all(|(y, e)| (y - e).abs() < 1e-5));
+        /// # Ok::<(), normkern::Error>(())
+        /// ```
+    },
+    backward: {
+        /// RMSNorm backward: writes `dx` and `dweight`. `mean` and `dbias` must be `None`. With no
+        /// rows, `dweight` is set to zero.
+        ///
+        /// ```
+        /// use normkern::{Emulator, NormBackward, Rows, rms_norm};
+        ///
+        /// let (rows, d) = (2, 4);
+        /// let x = [1.0f32, -1.0, 1.0, -1.0, 2.0, 2.0, -2.0, -2.0];
+        /// let dy = [1.0f32; 8];
+        /// let weight = [1.0f32; 4];
+        /// let (mut dx, mut dweight) = ([0.0f32; 8], [0.0f32; 4]);
+        /// let mut workspace = vec![0.0f32; rms_norm::workspace_len(rows, d)?];
+        /// let args = NormBackward::new(
+        ///     Rows::new(&dy[..], rows, d)?,
+        ///     Rows::new(&x[..], rows, d)?,
+        ///     &weight[..],
+        ///     Rows::new(&mut dx[..], rows, d)?,
+        ///     &mut dweight[..],
+        ///     &mut workspace[..],
+        /// )
+        /// .eps(1e-6); // no saved rstd: recomputed from x
+        /// rms_norm::backward(&Emulator::new(), args)?;
+        /// // dγ_j = Σ_rows dy · x̂: x̂ is ±1 in both rows here.
+        /// assert!((dweight[0] - 2.0).abs() < 1e-5 && (dweight[3] + 2.0).abs() < 1e-5);
+        /// # Ok::<(), normkern::Error>(())
+        /// ```
+    },
+    workspace: {
+        /// f32 elements of workspace the backward needs for `rows × d`: one fp32 partial row per
+        /// group of rows, the groups fixed by the shape.
+        ///
+        /// ```
+        /// let len = normkern::rms_norm::workspace_len(16384, 4096)?;
+        /// assert!(len >= 4096 && len % 4096 == 0);
+        /// # Ok::<(), normkern::Error>(())
+        /// ```
+    }
 );

@@ -8,8 +8,13 @@ pub(crate) mod forward;
 /// The public calls of one norm, for its module ([`crate::rms_norm`], [`crate::layer_norm`]):
 /// `forward`, `backward` and `workspace_len`, each with its doc.
 macro_rules! norm_calls {
-    ($norm:expr, forward: $forward:literal, backward: $backward:literal, workspace: $workspace:literal) => {
-        #[doc = $forward]
+    (
+        $norm:expr,
+        forward: { $(#[$forward:meta])* },
+        backward: { $(#[$backward:meta])* },
+        workspace: { $(#[$workspace:meta])* }
+    ) => {
+        $(#[$forward])*
         pub fn forward<E: Executor, T: Dtype, W: Dtype, R: Dtype, H: Dtype>(
             exec: &E,
             args: NormForward<'_, E, T, W, R, H>,
@@ -17,7 +22,7 @@ macro_rules! norm_calls {
             $crate::norm::forward::run($norm, exec, args)
         }
 
-        #[doc = $backward]
+        $(#[$backward])*
         pub fn backward<E: Executor, T: Dtype, H: Dtype, W: Dtype, G: Dtype>(
             exec: &E,
             args: NormBackward<'_, E, T, H, W, G>,
@@ -25,7 +30,7 @@ macro_rules! norm_calls {
             $crate::norm::backward::run($norm, exec, args)
         }
 
-        #[doc = $workspace]
+        $(#[$workspace])*
         pub fn workspace_len(rows: usize, d: usize) -> Result<usize> {
             $crate::norm::backward::workspace_len($norm, rows, d)
         }
