@@ -1,12 +1,9 @@
 //! Gated activations `h = f(a) · b` ([`SwiGlu`]: f = SiLU; [`GeGlu`]: f = GELU), forward and
 //! backward on normkern's kernels (the backward gives da and db in one pass, f recomputed from a).
 
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{CustomOp2, CustomOp3, Result, Tensor};
 use normkern::activation::{self, Activation, GatedBackward, GatedForward, GatedGrad, GatedInput};
 use normkern::{Buffer, Executor, Rows};
-
-#[cfg(feature = "cuda")]
-use candle_core::cuda_backend::CudaStorage;
 
 use crate::exec::{self, Body, Elem, next};
 
@@ -72,28 +69,7 @@ impl CustomOp2 for GatedOp {
         "normkern-gated"
     }
 
-    fn cpu_fwd(
-        &self,
-        a: &CpuStorage,
-        la: &Layout,
-        b: &CpuStorage,
-        lb: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let h = exec::cpu(self, &[(a, la), (b, lb)], &[la.shape().elem_count()])?;
-        Ok((h, la.shape().clone()))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        a: &CudaStorage,
-        la: &Layout,
-        b: &CudaStorage,
-        lb: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        let h = exec::cuda(self, &[(a, la), (b, lb)], &[la.shape().elem_count()])?;
-        Ok((h, la.shape().clone()))
-    }
+    exec::storage_forwards!(a la, b lb);
 
     fn bwd(
         &self,
@@ -114,6 +90,11 @@ impl CustomOp2 for GatedOp {
 struct GatedBackwardOp(Gated);
 
 impl Body for GatedBackwardOp {
+    /// da and db.
+    fn out_lens(&self, elements: usize) -> Vec<usize> {
+        vec![elements, elements]
+    }
+
     fn run<'a, E: Executor, T: Elem>(
         &self,
         exec: &E,
@@ -149,34 +130,7 @@ impl CustomOp3 for GatedBackwardOp {
         "normkern-gated-backward"
     }
 
-    fn cpu_fwd(
-        &self,
-        a: &CpuStorage,
-        la: &Layout,
-        b: &CpuStorage,
-        lb: &Layout,
-        dh: &CpuStorage,
-        ldh: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let n = la.shape().elem_count();
-        let packed = exec::cpu(self, &[(a, la), (b, lb), (dh, ldh)], &[n, n])?;
-        Ok((packed, Shape::from(2 * n)))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        a: &CudaStorage,
-        la: &Layout,
-        b: &CudaStorage,
-        lb: &Layout,
-        dh: &CudaStorage,
-        ldh: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        let n = la.shape().elem_count();
-        let packed = exec::cuda(self, &[(a, la), (b, lb), (dh, ldh)], &[n, n])?;
-        Ok((packed, Shape::from(2 * n)))
-    }
+    exec::storage_forwards!(a la, b lb, dh ldh);
 }
 
 /// SwiGLU: `h = silu(a) · b`, gradients to a and b.

@@ -4,7 +4,7 @@
 //! executor's buffers and collects the output as candle storage.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, DType, Layout, Result};
+use candle_core::{CpuStorage, DType, Layout, Result, Shape};
 use normkern::{Dtype, Emulator, Executor};
 
 /// The dtypes normkern and candle share.
@@ -16,6 +16,13 @@ impl Elem for half::bf16 {}
 /// One op's work on any executor: `inputs` in x's dtype `T`, outputs of the lengths the op asked
 /// for (the pieces of one buffer, which becomes the op's result), and an f32 workspace.
 pub trait Body {
+    /// The lengths of the outputs, the consecutive pieces of the op's result, when its first
+    /// input has `elements` elements. One output (the default) has the first input's shape;
+    /// several make a 1-D result that the op's caller splits.
+    fn out_lens(&self, elements: usize) -> Vec<usize> {
+        vec![elements]
+    }
+
     /// f32 workspace elements the op needs when its first input has `elements` elements.
     fn workspace_len(&self, _elements: usize) -> normkern::Result<usize> {
         Ok(0)
@@ -54,9 +61,24 @@ fn span(l: &Layout) -> Result<(usize, usize)> {
     })
 }
 
+/// The result's shape: the first input's for one output, 1-D for several.
+fn out_shape(first: &Layout, out_lens: &[usize]) -> Shape {
+    match out_lens {
+        [_] => first.shape().clone(),
+        lens => Shape::from(lens.iter().sum::<usize>()),
+    }
+}
+
+/// A custom op's forward on CPU storages: `body` in the emulator.
+pub fn cpu_op<B: Body>(body: &B, inputs: &[(&CpuStorage, &Layout)]) -> Result<(CpuStorage, Shape)> {
+    let first = inputs[0].1;
+    let lens = body.out_lens(first.shape().elem_count());
+    Ok((cpu(body, inputs, &lens)?, out_shape(first, &lens)))
+}
+
 /// Runs `body` in the emulator on CPU storages of one dtype; its outputs (`out_lens`) are the
 /// consecutive pieces of the returned storage.
-pub fn cpu<B: Body>(
+fn cpu<B: Body>(
     body: &B,
     inputs: &[(&CpuStorage, &Layout)],
     out_lens: &[usize],
@@ -121,7 +143,28 @@ fn unsupported(dtype: DType) -> candle_core::Error {
 }
 
 #[cfg(feature = "cuda")]
-pub use cuda::cuda;
+pub use cuda::cuda_op;
+
+/// `cpu_fwd` and `cuda_fwd` of a candle custom op of 2 or 3 operands whose `self` is a [`Body`].
+macro_rules! storage_forwards {
+    ($($s:ident $l:ident),+) => {
+        fn cpu_fwd(
+            &self,
+            $($s: &candle_core::CpuStorage, $l: &candle_core::Layout),+
+        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            $crate::exec::cpu_op(self, &[$(($s, $l)),+])
+        }
+
+        #[cfg(feature = "cuda")]
+        fn cuda_fwd(
+            &self,
+            $($s: &candle_core::cuda_backend::CudaStorage, $l: &candle_core::Layout),+
+        ) -> candle_core::Result<(candle_core::cuda_backend::CudaStorage, candle_core::Shape)> {
+            $crate::exec::cuda_op(self, &[$(($s, $l)),+])
+        }
+    };
+}
+pub(crate) use storage_forwards;
 
 #[cfg(feature = "cuda")]
 mod cuda {
@@ -130,10 +173,10 @@ mod cuda {
 
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::{CudaDType, CudaStorage};
-    use candle_core::{DType, Layout, Result};
+    use candle_core::{DType, Layout, Result, Shape};
     use normkern::Context;
 
-    use super::{Body, Elem, same_dtype, span, unsupported, wrap};
+    use super::{Body, Elem, out_shape, same_dtype, span, unsupported, wrap};
 
     /// normkern's kernels, loaded once per CUDA context candle uses.
     fn context(cuda: &Arc<normkern::cudarc::driver::CudaContext>) -> Result<Arc<Context>> {
@@ -151,9 +194,19 @@ mod cuda {
         Ok(ctx)
     }
 
+    /// A custom op's forward on CUDA storages: `body` on candle's stream.
+    pub fn cuda_op<B: Body>(
+        body: &B,
+        inputs: &[(&CudaStorage, &Layout)],
+    ) -> Result<(CudaStorage, Shape)> {
+        let first = inputs[0].1;
+        let lens = body.out_lens(first.shape().elem_count());
+        Ok((cuda(body, inputs, &lens)?, out_shape(first, &lens)))
+    }
+
     /// Runs `body` on candle's stream over CUDA storages of one dtype; its outputs (`out_lens`,
     /// at most three) are the consecutive pieces of the returned storage.
-    pub fn cuda<B: Body>(
+    fn cuda<B: Body>(
         body: &B,
         inputs: &[(&CudaStorage, &Layout)],
         out_lens: &[usize],

@@ -2,11 +2,8 @@
 //! kernels. The forward saves nothing: the backward recomputes the statistics from x (which it
 //! reads anyway) and returns dx, dγ and dβ from one normkern call.
 
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Module, Result, Shape, Tensor};
+use candle_core::{CustomOp2, CustomOp3, Module, Result, Tensor};
 use normkern::{Buffer, Executor, NormBackward, NormForward, Rows, layer_norm, rms_norm};
-
-#[cfg(feature = "cuda")]
-use candle_core::cuda_backend::CudaStorage;
 
 use crate::exec::{self, Body, Elem, next};
 
@@ -165,28 +162,7 @@ impl CustomOp2 for Forward {
         "normkern-norm"
     }
 
-    fn cpu_fwd(
-        &self,
-        x: &CpuStorage,
-        lx: &Layout,
-        w: &CpuStorage,
-        lw: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let y = exec::cpu(self, &[(x, lx), (w, lw)], &[lx.shape().elem_count()])?;
-        Ok((y, lx.shape().clone()))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        lx: &Layout,
-        w: &CudaStorage,
-        lw: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        let y = exec::cuda(self, &[(x, lx), (w, lw)], &[lx.shape().elem_count()])?;
-        Ok((y, lx.shape().clone()))
-    }
+    exec::storage_forwards!(x lx, w lw);
 
     fn bwd(
         &self,
@@ -205,40 +181,7 @@ impl CustomOp3 for Forward {
         "normkern-norm"
     }
 
-    fn cpu_fwd(
-        &self,
-        x: &CpuStorage,
-        lx: &Layout,
-        w: &CpuStorage,
-        lw: &Layout,
-        b: &CpuStorage,
-        lb: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let y = exec::cpu(
-            self,
-            &[(x, lx), (w, lw), (b, lb)],
-            &[lx.shape().elem_count()],
-        )?;
-        Ok((y, lx.shape().clone()))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        lx: &Layout,
-        w: &CudaStorage,
-        lw: &Layout,
-        b: &CudaStorage,
-        lb: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        let y = exec::cuda(
-            self,
-            &[(x, lx), (w, lw), (b, lb)],
-            &[lx.shape().elem_count()],
-        )?;
-        Ok((y, lx.shape().clone()))
-    }
+    exec::storage_forwards!(x lx, w lw, b lb);
 
     fn bwd(
         &self,
@@ -257,6 +200,10 @@ impl CustomOp3 for Forward {
 struct Backward(Norm);
 
 impl Body for Backward {
+    fn out_lens(&self, elements: usize) -> Vec<usize> {
+        self.0.gradient_lens(elements)
+    }
+
     fn workspace_len(&self, elements: usize) -> normkern::Result<usize> {
         let (rows, d) = (self.0.rows(elements), self.0.d);
         match self.0.kind {
@@ -305,40 +252,18 @@ impl CustomOp3 for Backward {
         "normkern-norm-backward"
     }
 
-    fn cpu_fwd(
-        &self,
-        x: &CpuStorage,
-        lx: &Layout,
-        w: &CpuStorage,
-        lw: &Layout,
-        dy: &CpuStorage,
-        ldy: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let lens = self.0.gradient_lens(lx.shape().elem_count());
-        let packed = exec::cpu(self, &[(x, lx), (w, lw), (dy, ldy)], &lens)?;
-        Ok((packed, Shape::from(lens.iter().sum::<usize>())))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        lx: &Layout,
-        w: &CudaStorage,
-        lw: &Layout,
-        dy: &CudaStorage,
-        ldy: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        let lens = self.0.gradient_lens(lx.shape().elem_count());
-        let packed = exec::cuda(self, &[(x, lx), (w, lw), (dy, ldy)], &lens)?;
-        Ok((packed, Shape::from(lens.iter().sum::<usize>())))
-    }
+    exec::storage_forwards!(x lx, w lw, dy ldy);
 }
 
 /// The residual forward as a candle op: (x, residual, γ‖β) → [y; h] packed in one 1-D tensor.
 struct ResidualForward(Norm);
 
 impl Body for ResidualForward {
+    /// y and h.
+    fn out_lens(&self, elements: usize) -> Vec<usize> {
+        vec![elements, elements]
+    }
+
     fn splits(&self, _elements: usize) -> Vec<Option<usize>> {
         vec![None, None, self.0.params_split()]
     }
@@ -377,34 +302,7 @@ impl CustomOp3 for ResidualForward {
         "normkern-norm-residual"
     }
 
-    fn cpu_fwd(
-        &self,
-        x: &CpuStorage,
-        lx: &Layout,
-        r: &CpuStorage,
-        lr: &Layout,
-        p: &CpuStorage,
-        lp: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let n = lx.shape().elem_count();
-        let packed = exec::cpu(self, &[(x, lx), (r, lr), (p, lp)], &[n, n])?;
-        Ok((packed, Shape::from(2 * n)))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        lx: &Layout,
-        r: &CudaStorage,
-        lr: &Layout,
-        p: &CudaStorage,
-        lp: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        let n = lx.shape().elem_count();
-        let packed = exec::cuda(self, &[(x, lx), (r, lr), (p, lp)], &[n, n])?;
-        Ok((packed, Shape::from(2 * n)))
-    }
+    exec::storage_forwards!(x lx, r lr, p lp);
 
     /// dy and dh arrive packed like y and h; h is the forward's own output. dx is the gradient
     /// of x and of the residual alike (h = x + residual).
@@ -431,6 +329,10 @@ impl CustomOp3 for ResidualForward {
 struct ResidualBackward(Norm);
 
 impl Body for ResidualBackward {
+    fn out_lens(&self, elements: usize) -> Vec<usize> {
+        self.0.gradient_lens(elements)
+    }
+
     fn splits(&self, elements: usize) -> Vec<Option<usize>> {
         // The gradients arrive as dy, then dh, each as long as h.
         vec![None, self.0.params_split(), Some(elements)]
@@ -487,34 +389,7 @@ impl CustomOp3 for ResidualBackward {
         "normkern-norm-residual-backward"
     }
 
-    fn cpu_fwd(
-        &self,
-        h: &CpuStorage,
-        lh: &Layout,
-        p: &CpuStorage,
-        lp: &Layout,
-        g: &CpuStorage,
-        lg: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let lens = self.0.gradient_lens(lh.shape().elem_count());
-        let packed = exec::cpu(self, &[(h, lh), (p, lp), (g, lg)], &lens)?;
-        Ok((packed, Shape::from(lens.iter().sum::<usize>())))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        h: &CudaStorage,
-        lh: &Layout,
-        p: &CudaStorage,
-        lp: &Layout,
-        g: &CudaStorage,
-        lg: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        let lens = self.0.gradient_lens(lh.shape().elem_count());
-        let packed = exec::cuda(self, &[(h, lh), (p, lp), (g, lg)], &lens)?;
-        Ok((packed, Shape::from(lens.iter().sum::<usize>())))
-    }
+    exec::storage_forwards!(h lh, p lp, g lg);
 }
 
 /// RMSNorm over the last dimension: `y = x / sqrt(mean(x²) + eps) · (γ + offset)`.
