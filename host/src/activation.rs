@@ -22,12 +22,12 @@
 //! ```
 
 use normkern_gpu::activation::{ActivationKey, Family, KERNELS, Params};
-use normkern_gpu::column_sum::{ColumnSumParams, group_layout};
 use normkern_gpu::kernel::Dtype as KernelDtype;
 
 use crate::error::{Error, Result};
 use crate::executor::{Device, Executor, Launch};
-use crate::plan::{column_sum, full_grid, packs_fit};
+use crate::distributed::{Across, launch_backward};
+use crate::plan::{GradientPlan, Partials, full_grid, gradient_plan, gradient_workspace_len, packs_fit};
 use crate::tensor::{Buffer, Dtype, Rows, expect_len};
 
 pub use normkern_gpu::activation::Activation;
@@ -180,13 +180,7 @@ pub struct GatedBackward<'a, E: Executor, T: Dtype> {
 /// # Ok::<(), normkern::Error>(())
 /// ```
 pub fn workspace_len(rows: usize, d: usize) -> Result<usize> {
-    group_layout(rows, d)
-        .1
-        .checked_mul(d)
-        .ok_or(Error::TooLarge {
-            what: "workspace (groups × d)",
-            value: d,
-        })
+    gradient_workspace_len(Partials::Own, rows, d, 1)
 }
 
 /// `y = f(x)`. Example: the module's.
@@ -198,7 +192,7 @@ pub fn forward<E: Executor, T: Dtype>(exec: &E, mut args: Forward<'_, E, T>) -> 
     let mut call = Call::new::<T>(Family::Forward, args.activation, (args.x.rows, args.x.d));
     call.inputs = [(x, args.x.stride), (0, 0), (0, 0)];
     call.outputs = [(y, args.y.stride), (0, 0)];
-    call.run(exec)
+    call.run(exec, None)
 }
 
 /// `dx = dy · f'(preact)`, and with [`Backward::dbias`] `dbias = Σ_rows dx`. With no rows, dbias
@@ -219,8 +213,19 @@ pub fn forward<E: Executor, T: Dtype>(exec: &E, mut args: Forward<'_, E, T>) -> 
 /// assert_eq!((dy, dbias), ([1.0, 0.0, 1.0, 0.0, 1.0, 0.0], [3.0, 0.0]));
 /// # Ok::<(), normkern::Error>(())
 /// ```
-pub fn backward<E: Executor, T: Dtype>(exec: &E, mut args: Backward<'_, E, T>) -> Result<()> {
+pub fn backward<E: Executor, T: Dtype>(exec: &E, args: Backward<'_, E, T>) -> Result<()> {
+    backward_across(exec, args, None)
+}
+
+/// [`backward`] on one device (`across` = `None`) or as one rank of several (dbias partials
+/// laid out and met as `across` says).
+pub(crate) fn backward_across<E: Executor, T: Dtype>(
+    exec: &E,
+    mut args: Backward<'_, E, T>,
+    across: Option<Across<'_>>,
+) -> Result<()> {
     let (rows, d) = (args.preact.rows, args.preact.d);
+    let partials = across.as_ref().map_or(Partials::Own, |a| a.partials);
     match &args.grad {
         Gradient::Separate { dy, dx } => {
             dy.expect_shape("dy", rows, d)?;
@@ -230,7 +235,7 @@ pub fn backward<E: Executor, T: Dtype>(exec: &E, mut args: Backward<'_, E, T>) -
     }
     if let Some(db) = &args.dbias {
         expect_len("dbias", db.dbias.elements(), d)?;
-        let needed = workspace_len(rows, d)?;
+        let needed = gradient_workspace_len(partials, rows, d, 1)?;
         if db.workspace.elements() < needed {
             return Err(Error::WorkspaceTooSmall {
                 needed,
@@ -269,7 +274,8 @@ pub fn backward<E: Executor, T: Dtype>(exec: &E, mut args: Backward<'_, E, T>) -
     call.inputs = [dy, (preact, args.preact.stride), (0, 0)];
     call.outputs = [dx, (0, 0)];
     call.dbias = dbias;
-    call.run(exec)
+    call.partials = partials;
+    call.run(exec, across)
 }
 
 /// `(address, stride)` of `a` and `b`, and the guards of the buffers they are in.
@@ -335,7 +341,7 @@ pub fn gated_forward<E: Executor, T: Dtype>(
     let mut call = Call::new::<T>(Family::GatedForward, args.activation, shape);
     call.inputs = [a, b, (0, 0)];
     call.outputs = [(h, args.h.stride), (0, 0)];
-    call.run(exec)
+    call.run(exec, None)
 }
 
 /// `da = dh · b · f'(a)`, `db = dh · f(a)` in one pass.
@@ -384,7 +390,7 @@ pub fn gated_backward<E: Executor, T: Dtype>(
     let mut call = Call::new::<T>(Family::GatedBackward, args.activation, shape);
     call.inputs = [(dh, args.dh.stride), a, b];
     call.outputs = outputs;
-    call.run(exec)
+    call.run(exec, None)
 }
 
 /// `2·d`, the width of packed gated rows.
@@ -412,6 +418,8 @@ pub(crate) struct Call {
     pub outputs: [(u64, usize); 2],
     /// `(dbias, workspace)` for [`Family::BackwardDbias`].
     pub dbias: Option<(u64, u64)>,
+    /// Where dbias's partials go (one device, or a rank's share).
+    pub partials: Partials,
 }
 
 impl Call {
@@ -428,18 +436,19 @@ impl Call {
             inputs: [(0, 0); 3],
             outputs: [(0, 0); 2],
             dbias: None,
+            partials: Partials::Own,
         }
     }
 
-    fn run<E: Executor>(&self, exec: &E) -> Result<()> {
-        let Plan { elementwise, sums } = plan(self, exec.device())?;
-        if let Some(launch) = elementwise {
-            exec.launch(&launch)?;
+    fn run<E: Executor>(&self, exec: &E, across: Option<Across<'_>>) -> Result<()> {
+        let Plan {
+            elementwise,
+            gradients,
+        } = plan(self, exec.device())?;
+        match gradients {
+            Some(gradients) => launch_backward(exec, elementwise.as_ref(), &gradients, across),
+            None => elementwise.map_or(Ok(()), |launch| exec.launch(&launch)),
         }
-        if let Some(launch) = sums {
-            exec.launch(&launch)?;
-        }
-        Ok(())
     }
 }
 
@@ -450,7 +459,7 @@ const THREADS: usize = 256;
 /// the column sum of its partials.
 pub(crate) struct Plan {
     pub elementwise: Option<Launch<ActivationKey, Params>>,
-    pub sums: Option<Launch<KernelDtype, ColumnSumParams>>,
+    pub gradients: Option<GradientPlan>,
 }
 
 // Launch arithmetic on validated sizes (rows, d < 2³², at most 512 groups, packs of 4 or 8).
@@ -475,7 +484,20 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
             operand.1 = elements;
         }
     }
-    let (rows_per_group, groups) = group_layout(rows, d);
+    let gradients = match call.dbias {
+        Some((dbias, workspace)) => Some(gradient_plan(
+            device,
+            call.partials,
+            (rows, d),
+            workspace,
+            [dbias, 0],
+            call.key.dtype,
+        )?),
+        None => None,
+    };
+    let (rows_per_group, groups, partials) = gradients
+        .as_ref()
+        .map_or((1, 0, 0), |g| (g.rows_per_group, g.groups, g.partials[0]));
     let mut elementwise = None;
     if rows > 0 {
         let mut addresses = [0u64; 6];
@@ -483,7 +505,7 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
         for (i, o) in inputs.iter().chain(&outputs).enumerate() {
             (addresses[i], strides[i]) = *o;
         }
-        addresses[5] = call.dbias.map_or(0, |(_, workspace)| workspace);
+        addresses[5] = partials;
         let vec = packs_fit(call.key.dtype.bytes(), d, &addresses, &strides);
         let len = if vec { 16 / call.key.dtype.bytes() } else { 1 };
         let accesses = rows * (d / len);
@@ -498,7 +520,7 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
             d: d as u32,
             rows_per_group: rows_per_group as u32,
             groups: groups as u32,
-            partials: call.dbias.map_or(0, |(_, workspace)| workspace),
+            partials,
             ..Params::default()
         };
         for (i, (address, stride)) in inputs.iter().enumerate() {
@@ -528,16 +550,8 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
             params,
         });
     }
-    let sums = match call.dbias {
-        Some((dbias, workspace)) => Some(column_sum(
-            device,
-            call.key.dtype,
-            (workspace, dbias),
-            None,
-            groups,
-            d,
-        )?),
-        None => None,
-    };
-    Ok(Plan { elementwise, sums })
+    Ok(Plan {
+        elementwise,
+        gradients,
+    })
 }

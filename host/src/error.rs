@@ -100,9 +100,26 @@ pub enum Error {
         what: &'static str,
         problem: &'static str,
     },
+    /// The NCCL library (libnccl.so) could not be loaded (the `nccl` feature loads it at run
+    /// time).
+    #[error("no NCCL: libnccl.so could not be loaded (install NCCL or point LD_LIBRARY_PATH at it)")]
+    NoNccl,
+    /// An NCCL call failed; `name` is NCCL's result code.
+    #[error("NCCL error {name} during {during}")]
+    Nccl { name: String, during: &'static str },
     /// An invariant of normkern's own did not hold: a bug, please report it.
     #[error("internal error: {0}")]
     Internal(&'static str),
+}
+
+#[cfg(feature = "nccl")]
+impl Error {
+    pub(crate) fn nccl(during: &'static str) -> impl FnOnce(cudarc::nccl::result::NcclError) -> Error {
+        move |e| Error::Nccl {
+            name: format!("{:?}", e.0),
+            during,
+        }
+    }
 }
 
 /// normkern's result type.

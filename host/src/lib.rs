@@ -36,6 +36,7 @@
 
 pub mod activation;
 mod context;
+pub mod distributed;
 mod emulator;
 mod error;
 mod executor;

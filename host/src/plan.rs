@@ -263,6 +263,126 @@ pub(crate) fn column_sum(
     })
 }
 
+/// Where the group partials of a backward's parameter gradients (dγ, dβ, dbias) go and how they
+/// become the gradients. Every layout keeps the sums' fixed order; they differ in whose rows
+/// the partial rows cover.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Partials {
+    /// One device: the call's own group layout; the column sum writes the outputs.
+    Own,
+    /// A rank's share of a batch split over ranks (exact mode): groups of `rows_per_group` rows
+    /// of the whole batch's layout, this rank's written at their place among the batch's `groups`
+    /// partial rows; once the other ranks' rows are gathered in, the column sum over all of them
+    /// gives the bits of one device over the whole batch.
+    Shard {
+        rows_per_group: usize,
+        first_group: usize,
+        groups: usize,
+    },
+    /// Fast mode: the call's own layout, column sums in fp32 right after the partials (summed
+    /// over ranks there), then cast into the outputs.
+    OwnSummedAcross,
+}
+
+/// The parameter-gradient half of a backward's plan: where the row kernel writes its partials,
+/// and the launches that turn them into the gradients.
+pub(crate) struct GradientPlan {
+    /// The row kernel's grouping of the call's rows.
+    pub rows_per_group: usize,
+    pub groups: usize,
+    /// Where the row kernel writes the partial rows of the first sum and of the second (0: none).
+    pub partials: [u64; 2],
+    /// Exact mode: the batch's partial rows (address, groups, sums), to be gathered from the
+    /// ranks before `sums`.
+    pub gather: Option<(u64, usize, usize)>,
+    pub sums: Launch<Dtype, ColumnSumParams>,
+    /// Fast mode: the fp32 sums `sums` wrote (address, elements), to be summed over the ranks,
+    /// and the cast of them into the outputs.
+    pub cast: Option<(u64, usize, Launch<Dtype, ColumnSumParams>)>,
+}
+
+/// f32 elements of workspace for `sums` (1 or 2) parameter gradients of `d` elements over `rows`
+/// rows laid out as `partials` says.
+pub(crate) fn gradient_workspace_len(
+    partials: Partials,
+    rows: usize,
+    d: usize,
+    sums: usize,
+) -> Result<usize> {
+    let too_large = Error::TooLarge {
+        what: "workspace (groups × d)",
+        value: d,
+    };
+    let (groups, extra_rows) = match partials {
+        Partials::Own => (column_sum::group_layout(rows, d).1, 0),
+        Partials::Shard { groups, .. } => (groups, 0),
+        Partials::OwnSummedAcross => (column_sum::group_layout(rows, d).1, 1),
+    };
+    groups
+        .checked_add(extra_rows)
+        .and_then(|r| r.checked_mul(d))
+        .and_then(|n| n.checked_mul(sums))
+        .ok_or(too_large)
+}
+
+/// The plan of the parameter gradients of a backward over `rows × d`: partials in `workspace`
+/// (at least [`gradient_workspace_len`] f32, checked by the caller), the sums into `outputs[0]`
+/// and, when not 0, `outputs[1]`, stored as `dtype`.
+pub(crate) fn gradient_plan(
+    device: &dyn Device,
+    partials: Partials,
+    (rows, d): (usize, usize),
+    workspace: u64,
+    outputs: [u64; 2],
+    dtype: Dtype,
+) -> Result<GradientPlan> {
+    let row_bytes = (d * 4) as u64;
+    let (rows_per_group, first_group, all_groups) = match partials {
+        Partials::Own | Partials::OwnSummedAcross => {
+            let (per_group, groups) = column_sum::group_layout(rows, d);
+            (per_group, 0, groups)
+        }
+        Partials::Shard {
+            rows_per_group,
+            first_group,
+            groups,
+        } => (rows_per_group, first_group, groups),
+    };
+    let groups = rows.div_ceil(rows_per_group);
+    let second = outputs[1] != 0;
+    // Each sum's partial rows, all of them: [all_groups, d] f32, the second's after the first's.
+    let partials_of = |sum: u64| workspace + sum * all_groups as u64 * row_bytes;
+    let at = |sum: u64| partials_of(sum) + first_group as u64 * row_bytes;
+    let if_second = |address: u64| if second { address } else { 0 };
+    let plan = |out: [u64; 2], partials: [u64; 2], groups, dtype| {
+        let second = (out[1] != 0).then_some((partials[1], out[1]));
+        column_sum(device, dtype, (partials[0], out[0]), second, groups, d)
+    };
+    let mut gradient = GradientPlan {
+        rows_per_group,
+        groups,
+        partials: [at(0), if_second(at(1))],
+        gather: None,
+        sums: plan(outputs, [partials_of(0), partials_of(1)], all_groups, dtype)?,
+        cast: None,
+    };
+    match partials {
+        Partials::Own => {}
+        Partials::Shard { .. } => {
+            gradient.gather = Some((workspace, all_groups, 1 + second as usize));
+        }
+        Partials::OwnSummedAcross => {
+            // fp32 sums after all partial rows, one row per sum; the cast is a column sum of one.
+            let sums_at = partials_of(1 + second as u64);
+            let fp32 = [sums_at, if_second(sums_at + row_bytes)];
+            let count = d * (1 + second as usize);
+            gradient.sums = plan(fp32, [partials_of(0), partials_of(1)], all_groups, Dtype::F32)?;
+            gradient.cast = Some((sums_at, count, plan(outputs, fp32, 1, dtype)?));
+        }
+    }
+    Ok(gradient)
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;

@@ -1,14 +1,14 @@
 //! The norm backward: its arguments, validation and launch plan (the row kernel, then the column
 //! sum of the dγ and dβ partials).
 
-use normkern_gpu::column_sum::{ColumnSumParams, group_layout};
 use normkern_gpu::kernel::Dtype as KernelDtype;
 use normkern_gpu::norm::{BACKWARD, BackwardParams, Norm, NormKey};
 
 use super::{RowLaunch, check_config, inv, params_f32, stored_f32, stride_in_elems};
 use crate::error::{Error, Result};
 use crate::executor::{Device, Executor, Launch, optional_input, optional_output};
-use crate::plan::{column_sum, packs_fit};
+use crate::distributed::{Across, launch_backward};
+use crate::plan::{GradientPlan, Partials, gradient_plan, gradient_workspace_len, packs_fit};
 use crate::tensor::{Buffer, Dtype, Rows, expect_len};
 
 /// The arguments of a norm backward ([`crate::rms_norm::backward`],
@@ -126,15 +126,12 @@ impl<'a, E: Executor, T: Dtype, H: Dtype, W: Dtype, G: Dtype> NormBackward<'a, E
 /// f32 elements of workspace a backward of `norm` over `rows × d` needs: one partial row of dγ
 /// per group of rows, and for LayerNorm as many of dβ.
 pub(crate) fn workspace_len(norm: Norm, rows: usize, d: usize) -> Result<usize> {
-    let parameters = if norm == Norm::Layer { 2 } else { 1 };
-    group_layout(rows, d)
-        .1
-        .checked_mul(d)
-        .and_then(|n| n.checked_mul(parameters))
-        .ok_or(Error::TooLarge {
-            what: "workspace (groups × d)",
-            value: d,
-        })
+    gradient_workspace_len(Partials::Own, rows, d, sums(norm))
+}
+
+/// The parameter gradients of `norm`'s backward: dγ, and LayerNorm's dβ.
+pub(crate) fn sums(norm: Norm) -> usize {
+    if norm == Norm::Layer { 2 } else { 1 }
 }
 
 /// A validated backward: addresses and strides; 0 for an absent operand.
@@ -160,13 +157,26 @@ pub(crate) struct Call {
     pub x_f32: bool,
     /// Storage of dγ and dβ.
     pub grad_dtype: KernelDtype,
+    /// Where dγ's and dβ's partials go (one device, or a rank's share).
+    pub partials: Partials,
 }
 
 /// Runs the backward of `norm` on `exec`.
 pub(crate) fn run<E: Executor, T: Dtype, H: Dtype, W: Dtype, G: Dtype>(
     norm: Norm,
     exec: &E,
+    args: NormBackward<'_, E, T, H, W, G>,
+) -> Result<()> {
+    run_across(norm, exec, args, None)
+}
+
+/// Runs the backward of `norm` on `exec`, on one device (`across` = `None`) or as one rank of
+/// several (dγ/dβ partials laid out and met as `across` says).
+pub(crate) fn run_across<E: Executor, T: Dtype, H: Dtype, W: Dtype, G: Dtype>(
+    norm: Norm,
+    exec: &E,
     mut args: NormBackward<'_, E, T, H, W, G>,
+    across: Option<Across<'_>>,
 ) -> Result<()> {
     let (rows, d) = (args.x.rows, args.x.d);
     check_config(args.eps, args.weight_offset)?;
@@ -210,7 +220,8 @@ pub(crate) fn run<E: Executor, T: Dtype, H: Dtype, W: Dtype, G: Dtype>(
             }
         }
     }
-    let needed = workspace_len(norm, rows, d)?;
+    let partials = across.as_ref().map_or(Partials::Own, |a| a.partials);
+    let needed = gradient_workspace_len(partials, rows, d, sums(norm))?;
     if args.workspace.elements() < needed {
         return Err(Error::WorkspaceTooSmall {
             needed,
@@ -261,32 +272,32 @@ pub(crate) fn run<E: Executor, T: Dtype, H: Dtype, W: Dtype, G: Dtype>(
         params_f32,
         x_f32,
         grad_dtype: G::KERNEL,
+        partials,
     };
     let plan = plan(&call, exec.device())?;
-    if let Some(launch) = &plan.rows {
-        exec.launch(launch)?;
-    }
-    exec.launch(&plan.sums)
+    launch_backward(exec, plan.rows.as_ref(), &plan.gradients, across)
 }
 
-/// The launches of a backward: the dx + partials kernel (none for no rows), then one
-/// fixed-order column sum for dγ and dβ.
+/// The launches of a backward: the dx + partials kernel (none for no rows), then the
+/// fixed-order column sums of dγ and dβ.
 pub(crate) struct Plan {
     pub rows: Option<Launch<NormKey, BackwardParams>>,
-    pub sums: Launch<KernelDtype, ColumnSumParams>,
+    pub gradients: GradientPlan,
 }
 
 // Launch arithmetic on validated sizes (rows, d < 2³², at most 512 groups).
 #[allow(clippy::arithmetic_side_effects)]
 pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
     let (rows, d, dtype) = (call.rows, call.d, call.key.dtype);
-    let (rows_per_group, groups) = group_layout(rows, d);
-    let partial_bytes = (groups * d * 4) as u64;
-    let dbias_partials = if call.dbias != 0 {
-        call.workspace + partial_bytes
-    } else {
-        0
-    };
+    let gradients = gradient_plan(
+        device,
+        call.partials,
+        (rows, d),
+        call.workspace,
+        [call.dweight, call.dbias],
+        call.grad_dtype,
+    )?;
+    let [partials, dbias_partials] = gradients.partials;
     let mut rows_launch = None;
     if rows > 0 {
         let bytes = dtype.bytes();
@@ -300,7 +311,7 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
                 call.x.0,
                 call.dx.0,
                 call.weight,
-                call.workspace,
+                partials,
                 dbias_partials,
                 call.dresidual.0,
             ],
@@ -318,15 +329,15 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
             mean: call.mean,
             rstd: call.rstd,
             dx: call.dx.0,
-            partials: call.workspace,
+            partials,
             dbeta_partials: dbias_partials,
             x_stride: call.x.1 as u64,
             dy_stride: call.dy.1 as u64,
             dx_stride: call.dx.1 as u64,
             rows: rows as u32,
             d: d as u32,
-            rows_per_group: rows_per_group as u32,
-            groups: groups as u32,
+            rows_per_group: gradients.rows_per_group as u32,
+            groups: gradients.groups as u32,
             inv_d: inv(d),
             gamma_offset: call.weight_offset,
             eps: call.eps,
@@ -343,25 +354,16 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
                 // The backward's parallelism is its dγ groups (at most 512, 64 at 1024 rows),
                 // and its streaming instance re-reads the partial rows: clusters whenever a row
                 // needs them.
-                work: groups,
+                work: gradients.groups,
                 clusters: true,
                 params,
             }
             .plan(device, |_| false)?,
         );
     }
-    let dbias = (call.dbias != 0).then_some((dbias_partials, call.dbias));
-    let sums = column_sum(
-        device,
-        call.grad_dtype,
-        (call.workspace, call.dweight),
-        dbias,
-        groups,
-        d,
-    )?;
     Ok(Plan {
         rows: rows_launch,
-        sums,
+        gradients,
     })
 }
 
@@ -369,7 +371,7 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
 pub(crate) mod tests {
     use super::*;
     use crate::plan::tests::FakeH200;
-    use normkern_gpu::column_sum::COLUMN_SUM_THREADS;
+    use normkern_gpu::column_sum::{COLUMN_SUM_THREADS, group_layout};
     use normkern_gpu::kernel::Kernel;
     use normkern_gpu::reduce::ROW_REDUCER_SHARED_WORDS;
 
@@ -419,6 +421,7 @@ pub(crate) mod tests {
             params_f32: false,
             x_f32: false,
             grad_dtype: KernelDtype::Bf16,
+            partials: Partials::Own,
         }
     }
 
@@ -434,10 +437,10 @@ pub(crate) mod tests {
         assert_eq!((rows.params.groups, rows.params.rows_per_group), (512, 32));
         assert_eq!(rows.grid, 256);
         // dγ's column sum: 128 slabs of 32 columns, one column per thread at this width.
-        assert_eq!(plan.sums.kernel.name, "column_sum_bf16");
-        assert_eq!((plan.sums.block, plan.sums.grid), (COLUMN_SUM_THREADS, 128));
+        assert_eq!(plan.gradients.sums.kernel.name, "column_sum_bf16");
+        assert_eq!((plan.gradients.sums.block, plan.gradients.sums.grid), (COLUMN_SUM_THREADS, 128));
         assert_eq!(
-            (plan.sums.params.columns, plan.sums.params.partials2),
+            (plan.gradients.sums.params.columns, plan.gradients.sums.params.partials2),
             (1, 0)
         );
     }
@@ -453,8 +456,8 @@ pub(crate) mod tests {
         // 15 groups of 69 rows, one round over 15 clusters.
         assert_eq!((rows.params.groups, rows.grid), (15, 120));
         // dγ and dβ in one column-sum launch, four columns per thread.
-        assert_ne!(plan.sums.params.partials2, 0);
-        assert_eq!(plan.sums.params.columns, 4);
+        assert_ne!(plan.gradients.sums.params.partials2, 0);
+        assert_eq!(plan.gradients.sums.params.columns, 4);
     }
 
     #[test]
@@ -489,7 +492,7 @@ pub(crate) mod tests {
     fn no_rows_launch_only_the_column_sum_of_zero_groups() {
         let plan = plan(&call(Norm::Layer, 0, 4096), &H200).unwrap();
         assert!(plan.rows.is_none());
-        assert_eq!(plan.sums.params.groups, 0);
+        assert_eq!(plan.gradients.sums.params.groups, 0);
     }
 
     #[test]
