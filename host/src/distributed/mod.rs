@@ -192,6 +192,9 @@ impl BatchSplit {
         let rows = self.rank_rows(rank)?;
         // Starts are multiples of rows_per_group (≥ 1), the last rank ends at the batch's end.
         let first = rows.start / self.rows_per_group;
+        if rows.is_empty() {
+            return Ok(first..first);
+        }
         Ok(first..rows.end.div_ceil(self.rows_per_group))
     }
 
@@ -230,6 +233,7 @@ impl BatchSplit {
     }
 
     /// Checks that a backward's rows are rank `rank`'s share of this split.
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
     pub(crate) fn check_shape(&self, rank: usize, rows: usize, d: usize) -> Result<()> {
         let expected = self.rank_rows(rank)?.len();
         if (rows, d) != (expected, self.d) {
