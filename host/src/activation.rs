@@ -24,10 +24,12 @@
 use normkern_gpu::activation::{ActivationKey, Family, KERNELS, Params};
 use normkern_gpu::kernel::Dtype as KernelDtype;
 
+use crate::distributed::{Across, launch_backward};
 use crate::error::{Error, Result};
 use crate::executor::{Device, Executor, Launch};
-use crate::distributed::{Across, launch_backward};
-use crate::plan::{GradientPlan, Partials, full_grid, gradient_plan, gradient_workspace_len, packs_fit};
+use crate::plan::{
+    GradientPlan, Partials, full_grid, gradient_plan, gradient_workspace_len, packs_fit,
+};
 use crate::tensor::{Buffer, Dtype, Rows, expect_len};
 
 pub use normkern_gpu::activation::Activation;

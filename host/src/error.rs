@@ -102,7 +102,9 @@ pub enum Error {
     },
     /// The NCCL library (libnccl.so) could not be loaded (the `nccl` feature loads it at run
     /// time).
-    #[error("no NCCL: libnccl.so could not be loaded (install NCCL or point LD_LIBRARY_PATH at it)")]
+    #[error(
+        "no NCCL: libnccl.so could not be loaded (install NCCL or point LD_LIBRARY_PATH at it)"
+    )]
     NoNccl,
     /// An NCCL call failed; `name` is NCCL's result code.
     #[error("NCCL error {name} during {during}")]
@@ -114,7 +116,9 @@ pub enum Error {
 
 #[cfg(feature = "nccl")]
 impl Error {
-    pub(crate) fn nccl(during: &'static str) -> impl FnOnce(cudarc::nccl::result::NcclError) -> Error {
+    pub(crate) fn nccl(
+        during: &'static str,
+    ) -> impl FnOnce(cudarc::nccl::result::NcclError) -> Error {
         move |e| Error::Nccl {
             name: format!("{:?}", e.0),
             during,

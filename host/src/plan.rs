@@ -376,7 +376,12 @@ pub(crate) fn gradient_plan(
             let sums_at = partials_of(1 + second as u64);
             let fp32 = [sums_at, if_second(sums_at + row_bytes)];
             let count = d * (1 + second as usize);
-            gradient.sums = plan(fp32, [partials_of(0), partials_of(1)], all_groups, Dtype::F32)?;
+            gradient.sums = plan(
+                fp32,
+                [partials_of(0), partials_of(1)],
+                all_groups,
+                Dtype::F32,
+            )?;
             gradient.cast = Some((sums_at, count, plan(outputs, fp32, 1, dtype)?));
         }
     }

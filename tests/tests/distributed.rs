@@ -91,7 +91,12 @@ struct Buffers<T: Dtype> {
 }
 
 impl<T: TestDtype> Buffers<T> {
-    fn new(stream: &Arc<CudaStream>, batch: &Batch<T>, rows: Range<usize>, workspace: usize) -> Self {
+    fn new(
+        stream: &Arc<CudaStream>,
+        batch: &Batch<T>,
+        rows: Range<usize>,
+        workspace: usize,
+    ) -> Self {
         let d = batch.d;
         let part = |v: &[T]| stream.clone_htod(&v[rows.start * d..rows.end * d]).unwrap();
         let n = rows.len() * d;
@@ -103,20 +108,33 @@ impl<T: TestDtype> Buffers<T> {
             dx: stream.clone_htod(&vec![T::poison(); n.max(1)]).unwrap(),
             grads: stream.clone_htod(&vec![f32::NAN; 2 * d]).unwrap(),
             act_dbias: stream.clone_htod(&vec![T::poison(); d]).unwrap(),
-            workspace: stream.clone_htod(&vec![f32::NAN; workspace.max(1)]).unwrap(),
+            workspace: stream
+                .clone_htod(&vec![f32::NAN; workspace.max(1)])
+                .unwrap(),
             rows: rows.len(),
             d,
         }
     }
 
     fn poison(&mut self, stream: &Arc<CudaStream>) {
-        stream.memcpy_htod(&vec![T::poison(); self.dx.len()], &mut self.dx).unwrap();
-        stream.memcpy_htod(&vec![f32::NAN; 2 * self.d], &mut self.grads).unwrap();
-        stream.memcpy_htod(&vec![T::poison(); self.d], &mut self.act_dbias).unwrap();
+        stream
+            .memcpy_htod(&vec![T::poison(); self.dx.len()], &mut self.dx)
+            .unwrap();
+        stream
+            .memcpy_htod(&vec![f32::NAN; 2 * self.d], &mut self.grads)
+            .unwrap();
+        stream
+            .memcpy_htod(&vec![T::poison(); self.d], &mut self.act_dbias)
+            .unwrap();
     }
 
     /// The backward of `op` on `gpu`: on one device (`dp` = None) or as a rank.
-    fn run(&mut self, gpu: &normkern::Gpu<'_>, op: Op, dp: Option<DataParallel<'_>>) -> normkern::Result<()> {
+    fn run(
+        &mut self,
+        gpu: &normkern::Gpu<'_>,
+        op: Op,
+        dp: Option<DataParallel<'_>>,
+    ) -> normkern::Result<()> {
         let (rows, d) = (self.rows, self.d);
         let n = rows * d;
         let (dweight, dbias) = self.grads.split_at_mut(d);
@@ -165,13 +183,19 @@ impl<T: TestDtype> Buffers<T> {
         let (bits, values) = match op {
             Op::Gelu => {
                 let v = stream.clone_dtoh(&self.act_dbias).unwrap();
-                (v.iter().map(|x| x.bits()).collect(), v.iter().map(|x| x.to_f64()).collect())
+                (
+                    v.iter().map(|x| x.bits()).collect(),
+                    v.iter().map(|x| x.to_f64()).collect(),
+                )
             }
             _ => {
                 let sums = if op == Op::Rms { 1 } else { 2 };
                 let v = stream.clone_dtoh(&self.grads).unwrap();
                 let v = &v[..sums * self.d];
-                (v.iter().map(|x| x.to_bits()).collect(), v.iter().map(|&x| x as f64).collect())
+                (
+                    v.iter().map(|x| x.to_bits()).collect(),
+                    v.iter().map(|&x| x as f64).collect(),
+                )
             }
         };
         let dx = stream.clone_dtoh(&self.dx).unwrap();
@@ -200,7 +224,11 @@ struct RankResult {
 
 /// Runs `op` over every split on every rank (one thread per GPU, each with its own context,
 /// stream and communicator), and the whole batch on rank 0's GPU.
-fn run_ranks<T: TestDtype>(batch: &Batch<T>, op: Op, splits: &[BatchSplit]) -> Vec<Vec<RankResult>> {
+fn run_ranks<T: TestDtype>(
+    batch: &Batch<T>,
+    op: Op,
+    splits: &[BatchSplit],
+) -> Vec<Vec<RankResult>> {
     // A unique id serves one group of communicators.
     let id: Id = Communicator::unique_id().unwrap();
     std::thread::scope(|scope| {
@@ -219,7 +247,11 @@ fn run_ranks<T: TestDtype>(batch: &Batch<T>, op: Op, splits: &[BatchSplit]) -> V
                         .map(|split| {
                             let rows = split.rank_rows(rank).unwrap();
                             let result = |mode| {
-                                let dp = DataParallel { comm: &comm, split, mode };
+                                let dp = DataParallel {
+                                    comm: &comm,
+                                    split,
+                                    mode,
+                                };
                                 let ws = workspace_len(op, split, rank, mode);
                                 let mut buffers = Buffers::new(&stream, batch, rows.clone(), ws);
                                 buffers.run(&gpu, op, Some(dp)).unwrap();
@@ -231,10 +263,15 @@ fn run_ranks<T: TestDtype>(batch: &Batch<T>, op: Op, splits: &[BatchSplit]) -> V
                             // The same call captured into a graph and replayed (twice).
                             buffers.poison(&stream);
                             stream
-                                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                                .begin_capture(
+                                    CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                                )
                                 .unwrap();
                             let captured = buffers.run(&gpu, op, Some(dp));
-                            let graph = stream.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
+                            let graph = stream
+                                .end_capture(CUgraphInstantiate_flags(0))
+                                .unwrap()
+                                .expect("a graph");
                             captured.unwrap();
                             graph.launch().unwrap();
                             graph.launch().unwrap();
@@ -242,7 +279,9 @@ fn run_ranks<T: TestDtype>(batch: &Batch<T>, op: Op, splits: &[BatchSplit]) -> V
                             let whole = (rank == 0).then(|| {
                                 let ws = match op {
                                     Op::Rms => rms_norm::workspace_len(batch.rows, batch.d),
-                                    Op::Layer | Op::LayerResidual => layer_norm::workspace_len(batch.rows, batch.d),
+                                    Op::Layer | Op::LayerResidual => {
+                                        layer_norm::workspace_len(batch.rows, batch.d)
+                                    }
                                     Op::Gelu => activation::workspace_len(batch.rows, batch.d),
                                 }
                                 .unwrap();
@@ -250,7 +289,12 @@ fn run_ranks<T: TestDtype>(batch: &Batch<T>, op: Op, splits: &[BatchSplit]) -> V
                                 whole.run(&gpu, op, None).unwrap();
                                 whole.read(&stream, op)
                             });
-                            RankResult { exact, replayed, fast, whole }
+                            RankResult {
+                                exact,
+                                replayed,
+                                fast,
+                                whole,
+                            }
                         })
                         .collect::<Vec<_>>()
                 })
@@ -262,7 +306,10 @@ fn run_ranks<T: TestDtype>(batch: &Batch<T>, op: Op, splits: &[BatchSplit]) -> V
 
 fn check<T: TestDtype>(rng: &mut Rng, (rows, d): (usize, usize), uneven: &[usize]) {
     let batch = Batch::<T>::new(rng, rows, d);
-    let splits = [BatchSplit::even(rows, d, WORLD).unwrap(), BatchSplit::with_rows(uneven, d).unwrap()];
+    let splits = [
+        BatchSplit::even(rows, d, WORLD).unwrap(),
+        BatchSplit::with_rows(uneven, d).unwrap(),
+    ];
     for op in [Op::Rms, Op::Layer, Op::LayerResidual, Op::Gelu] {
         let results = run_ranks(&batch, op, &splits);
         for (s, split) in splits.iter().enumerate() {
@@ -270,13 +317,35 @@ fn check<T: TestDtype>(rng: &mut Rng, (rows, d): (usize, usize), uneven: &[usize
             let mut fast_error = 0f64;
             for (rank, per_split) in results.iter().enumerate() {
                 let r = &per_split[s];
-                let what = format!("{} {op:?} {rows}×{d} split {:?}, rank {rank}", T::NAME, (0..WORLD).map(|k| split.rank_rows(k).unwrap().len()).collect::<Vec<_>>());
-                assert!(r.exact.bits == whole.bits, "{what}: exact mode differs from one GPU");
-                assert!(r.replayed.bits == whole.bits, "{what}: graph replay differs from one GPU");
+                let what = format!(
+                    "{} {op:?} {rows}×{d} split {:?}, rank {rank}",
+                    T::NAME,
+                    (0..WORLD)
+                        .map(|k| split.rank_rows(k).unwrap().len())
+                        .collect::<Vec<_>>()
+                );
+                assert!(
+                    r.exact.bits == whole.bits,
+                    "{what}: exact mode differs from one GPU"
+                );
+                assert!(
+                    r.replayed.bits == whole.bits,
+                    "{what}: graph replay differs from one GPU"
+                );
                 let own = split.rank_rows(rank).unwrap();
-                assert!(r.exact.dx == whole.dx[own.start * d..own.end * d], "{what}: dx");
-                assert!(r.fast.bits == results[0][s].fast.bits, "{what}: fast mode differs between ranks");
-                let scale = whole.values.iter().fold(0f64, |m, v| m.max(v.abs())).max(1.0);
+                assert!(
+                    r.exact.dx == whole.dx[own.start * d..own.end * d],
+                    "{what}: dx"
+                );
+                assert!(
+                    r.fast.bits == results[0][s].fast.bits,
+                    "{what}: fast mode differs between ranks"
+                );
+                let scale = whole
+                    .values
+                    .iter()
+                    .fold(0f64, |m, v| m.max(v.abs()))
+                    .max(1.0);
                 for (f, w) in r.fast.values.iter().zip(&whole.values) {
                     let err = (f - w).abs() / scale;
                     fast_error = fast_error.max(err);
@@ -285,9 +354,18 @@ fn check<T: TestDtype>(rng: &mut Rng, (rows, d): (usize, usize), uneven: &[usize
                     let tolerance = if op == Op::Gelu { T::TOLERANCE.0 } else { 1e-5 };
                     assert!(err <= tolerance, "{what}: fast {f} vs {w}");
                 }
-                let same = r.fast.bits.iter().zip(&whole.bits).filter(|(a, b)| a == b).count();
+                let same = r
+                    .fast
+                    .bits
+                    .iter()
+                    .zip(&whole.bits)
+                    .filter(|(a, b)| a == b)
+                    .count();
                 if rank == 0 {
-                    println!("{what}: exact = one GPU bitwise (eager and graph replay, every rank); fast: max |Δ|/max|g| = {fast_error:.2e}, {same}/{} elements bit-equal", whole.bits.len());
+                    println!(
+                        "{what}: exact = one GPU bitwise (eager and graph replay, every rank); fast: max |Δ|/max|g| = {fast_error:.2e}, {same}/{} elements bit-equal",
+                        whole.bits.len()
+                    );
                 }
             }
         }

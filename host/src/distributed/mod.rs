@@ -38,9 +38,11 @@ use normkern_gpu::column_sum::group_layout;
 #[cfg(feature = "nccl")]
 mod nccl;
 #[cfg(feature = "nccl")]
-pub use nccl::{Communicator, DataParallel, activation_backward, layer_norm_backward, rms_norm_backward};
-#[cfg(feature = "nccl")]
 pub use cudarc::nccl::Id;
+#[cfg(feature = "nccl")]
+pub use nccl::{
+    Communicator, DataParallel, activation_backward, layer_norm_backward, rms_norm_backward,
+};
 
 /// How the ranks' parameter gradients are summed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -146,7 +148,9 @@ impl BatchSplit {
             });
         }
         if d == 0 {
-            return Err(Error::EmptyRow { what: "batch split" });
+            return Err(Error::EmptyRow {
+                what: "batch split",
+            });
         }
         for (what, value) in [("rows", rows), ("d", d)] {
             if value > u32::MAX as usize {
@@ -178,7 +182,10 @@ impl BatchSplit {
 
     /// The batch's rows rank `rank` holds.
     pub fn rank_rows(&self, rank: usize) -> Result<Range<usize>> {
-        match (self.starts.get(rank), self.starts.get(rank.saturating_add(1))) {
+        match (
+            self.starts.get(rank),
+            self.starts.get(rank.saturating_add(1)),
+        ) {
             (Some(&start), Some(&end)) => Ok(start..end),
             _ => Err(Error::Argument {
                 what: "rank",
@@ -279,7 +286,9 @@ pub(crate) fn launch_backward<E: Executor, K: Sync, P: Copy + Sync>(
     let mut meet = across.as_mut().map(|a| &mut *a.meet);
     let no_meet = Error::Internal("a backward across ranks without its ranks");
     if let Some((partials, groups, sums)) = gradients.gather {
-        meet.as_mut().ok_or(no_meet.clone())?.gather(partials, groups, sums)?;
+        meet.as_mut()
+            .ok_or(no_meet.clone())?
+            .gather(partials, groups, sums)?;
     }
     exec.launch(&gradients.sums)?;
     if let Some((sums, count, cast)) = &gradients.cast {

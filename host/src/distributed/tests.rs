@@ -57,7 +57,8 @@ impl Meet for EmulatedMeet {
             let mut blocks = self.network.blocks.lock().unwrap();
             blocks.resize(len, f32::NAN);
             for sum in 0..sums {
-                let block = (sum * groups + groups_of_rank.start) * d..(sum * groups + groups_of_rank.end) * d;
+                let block = (sum * groups + groups_of_rank.start) * d
+                    ..(sum * groups + groups_of_rank.end) * d;
                 blocks[block.clone()].copy_from_slice(&mine[block]);
             }
         }
@@ -97,11 +98,21 @@ impl Op {
         }
     }
 
-    fn run(self, x: &[f32], dy: &[f32], (rows, d): (usize, usize), workspace: usize, across: Option<Across<'_>>) -> (Vec<f32>, Vec<f32>) {
+    fn run(
+        self,
+        x: &[f32],
+        dy: &[f32],
+        (rows, d): (usize, usize),
+        workspace: usize,
+        across: Option<Across<'_>>,
+    ) -> (Vec<f32>, Vec<f32>) {
         let emu = Emulator::new();
         let x = aligned(x.iter().copied(), rows * d);
         let dy = aligned(dy.iter().copied(), rows * d);
-        let (x, dy) = (&x.as_flattened()[..rows * d], &dy.as_flattened()[..rows * d]);
+        let (x, dy) = (
+            &x.as_flattened()[..rows * d],
+            &dy.as_flattened()[..rows * d],
+        );
         let weight = aligned(random(7, d).into_iter().map(|w| 1.0 + w / 4.0), d);
         let mut dx = aligned([], rows * d);
         let mut grads = aligned([], 2 * d);
@@ -139,11 +150,20 @@ impl Op {
             }
         }
         let sums = self.sums() * d;
-        (dx.as_flattened()[..rows * d].to_vec(), grads.as_flattened()[..sums].to_vec())
+        (
+            dx.as_flattened()[..rows * d].to_vec(),
+            grads.as_flattened()[..sums].to_vec(),
+        )
     }
 
     /// Runs every rank of `split` on its own thread; each rank's (dx, gradients).
-    fn ranks(self, x: &[f32], dy: &[f32], split: &BatchSplit, mode: Mode) -> Vec<(Vec<f32>, Vec<f32>)> {
+    fn ranks(
+        self,
+        x: &[f32],
+        dy: &[f32],
+        split: &BatchSplit,
+        mode: Mode,
+    ) -> Vec<(Vec<f32>, Vec<f32>)> {
         let world = split.world();
         let network = Arc::new(Network {
             blocks: Mutex::new(Vec::new()),
@@ -167,7 +187,10 @@ impl Op {
                             partials: split.partials(rank, mode).unwrap(),
                             meet: &mut meet,
                         };
-                        let (x, dy) = (&x[rows.start * d..rows.end * d], &dy[rows.start * d..rows.end * d]);
+                        let (x, dy) = (
+                            &x[rows.start * d..rows.end * d],
+                            &dy[rows.start * d..rows.end * d],
+                        );
                         self.run(x, dy, (rows.len(), d), workspace, Some(across))
                     })
                 })
@@ -187,21 +210,44 @@ fn check(op: Op, split: &BatchSplit) {
     let (x, dy) = (random(1, rows * d), random(2, rows * d));
     let workspace = gradient_workspace_len(Partials::Own, rows, d, op.sums()).unwrap();
     let (whole_dx, whole) = op.run(&x, &dy, (rows, d), workspace, None);
-    for (rank, (dx, grads)) in op.ranks(&x, &dy, split, Mode::Exact).into_iter().enumerate() {
+    for (rank, (dx, grads)) in op
+        .ranks(&x, &dy, split, Mode::Exact)
+        .into_iter()
+        .enumerate()
+    {
         let own = split.rank_rows(rank).unwrap();
-        assert_eq!(bits(&dx), bits(&whole_dx[own.start * d..own.end * d]), "{op:?} dx, rank {rank}");
-        assert_eq!(bits(&grads), bits(&whole), "{op:?} exact, rank {rank} of {split:?}");
+        assert_eq!(
+            bits(&dx),
+            bits(&whole_dx[own.start * d..own.end * d]),
+            "{op:?} dx, rank {rank}"
+        );
+        assert_eq!(
+            bits(&grads),
+            bits(&whole),
+            "{op:?} exact, rank {rank} of {split:?}"
+        );
     }
     let fast = op.ranks(&x, &dy, split, Mode::Fast);
     for (rank, (_, grads)) in fast.iter().enumerate() {
-        assert_eq!(bits(grads), bits(&fast[0].1), "{op:?} fast: every rank the same bits");
+        assert_eq!(
+            bits(grads),
+            bits(&fast[0].1),
+            "{op:?} fast: every rank the same bits"
+        );
         for (g, w) in grads.iter().zip(&whole) {
-            assert!((g - w).abs() <= 1e-5 * (rows as f32) * w.abs().max(1.0), "{op:?} fast, rank {rank}: {g} vs {w}");
+            assert!(
+                (g - w).abs() <= 1e-5 * (rows as f32) * w.abs().max(1.0),
+                "{op:?} fast, rank {rank}: {g} vs {w}"
+            );
         }
     }
 }
 
-const OPS: [Op; 3] = [Op::Norm(Norm::Rms), Op::Norm(Norm::Layer), Op::Dbias(Activation::GeluErf)];
+const OPS: [Op; 3] = [
+    Op::Norm(Norm::Rms),
+    Op::Norm(Norm::Layer),
+    Op::Dbias(Activation::GeluErf),
+];
 
 #[test]
 fn exact_mode_gives_the_whole_batchs_bits_on_every_rank() {
@@ -228,25 +274,54 @@ fn ranks_without_rows_take_part() {
 
 #[test]
 fn splits_keep_to_group_boundaries() {
-    for (rows, d, world) in [(16384, 4096, 2), (16384, 4096, 3), (1024, 65536, 2), (7, 128, 3), (0, 8, 2)] {
+    for (rows, d, world) in [
+        (16384, 4096, 2),
+        (16384, 4096, 3),
+        (1024, 65536, 2),
+        (7, 128, 3),
+        (0, 8, 2),
+    ] {
         let split = BatchSplit::even(rows, d, world).unwrap();
         let (per_group, groups) = group_layout(rows, d);
-        assert_eq!((split.rows(), split.world(), split.rows_per_group()), (rows, world, per_group));
+        assert_eq!(
+            (split.rows(), split.world(), split.rows_per_group()),
+            (rows, world, per_group)
+        );
         let mut next = 0;
         for rank in 0..world {
             let own = split.rank_rows(rank).unwrap();
             assert_eq!(own.start, next);
             assert!(own.start % per_group == 0 || own.is_empty());
             let g = split.rank_groups(rank).unwrap();
-            assert!(g.len().abs_diff(groups / world) <= 1, "{rows}×{d} / {world}: {g:?}");
+            assert!(
+                g.len().abs_diff(groups / world) <= 1,
+                "{rows}×{d} / {world}: {g:?}"
+            );
             next = own.end;
         }
         assert_eq!(next, rows);
-        assert_eq!(BatchSplit::with_rows(&(0..world).map(|r| split.rank_rows(r).unwrap().len()).collect::<Vec<_>>(), d), Ok(split));
+        assert_eq!(
+            BatchSplit::with_rows(
+                &(0..world)
+                    .map(|r| split.rank_rows(r).unwrap().len())
+                    .collect::<Vec<_>>(),
+                d
+            ),
+            Ok(split)
+        );
     }
-    assert!(matches!(BatchSplit::with_rows(&[8010, 8374], 4096), Err(Error::Argument { .. })));
-    assert!(matches!(BatchSplit::even(10, 8, 0), Err(Error::Argument { .. })));
-    assert!(matches!(BatchSplit::even(10, 0, 2), Err(Error::EmptyRow { .. })));
+    assert!(matches!(
+        BatchSplit::with_rows(&[8010, 8374], 4096),
+        Err(Error::Argument { .. })
+    ));
+    assert!(matches!(
+        BatchSplit::even(10, 8, 0),
+        Err(Error::Argument { .. })
+    ));
+    assert!(matches!(
+        BatchSplit::even(10, 0, 2),
+        Err(Error::EmptyRow { .. })
+    ));
     assert!(BatchSplit::even(10, 8, 2).unwrap().rank_rows(2).is_err());
     assert!(matches!(
         BatchSplit::even(64, 16, 2).unwrap().check_shape(0, 33, 16),
@@ -258,8 +333,17 @@ fn splits_keep_to_group_boundaries() {
 fn workspaces_hold_the_batchs_partials_in_exact_mode_and_the_ranks_own_in_fast_mode() {
     let split = BatchSplit::even(16384, 4096, 2).unwrap();
     assert_eq!(split.rms_norm_workspace_len(1, Mode::Exact), Ok(512 * 4096));
-    assert_eq!(split.layer_norm_workspace_len(0, Mode::Exact), Ok(2 * 512 * 4096));
+    assert_eq!(
+        split.layer_norm_workspace_len(0, Mode::Exact),
+        Ok(2 * 512 * 4096)
+    );
     // 8192 rows of 4096: 512 groups of 16 rows, and one row of fp32 sums per gradient.
-    assert_eq!(split.activation_workspace_len(0, Mode::Fast), Ok(513 * 4096));
-    assert_eq!(split.layer_norm_workspace_len(1, Mode::Fast), Ok(2 * 513 * 4096));
+    assert_eq!(
+        split.activation_workspace_len(0, Mode::Fast),
+        Ok(513 * 4096)
+    );
+    assert_eq!(
+        split.layer_norm_workspace_len(1, Mode::Fast),
+        Ok(2 * 513 * 4096)
+    );
 }

@@ -5,9 +5,9 @@ use normkern_gpu::kernel::Dtype as KernelDtype;
 use normkern_gpu::norm::{BACKWARD, BackwardParams, Norm, NormKey};
 
 use super::{RowLaunch, check_config, inv, params_f32, stored_f32, stride_in_elems};
+use crate::distributed::{Across, launch_backward};
 use crate::error::{Error, Result};
 use crate::executor::{Device, Executor, Launch, optional_input, optional_output};
-use crate::distributed::{Across, launch_backward};
 use crate::plan::{GradientPlan, Partials, gradient_plan, gradient_workspace_len, packs_fit};
 use crate::tensor::{Buffer, Dtype, Rows, expect_len};
 
@@ -438,9 +438,15 @@ pub(crate) mod tests {
         assert_eq!(rows.grid, 256);
         // dγ's column sum: 128 slabs of 32 columns, one column per thread at this width.
         assert_eq!(plan.gradients.sums.kernel.name, "column_sum_bf16");
-        assert_eq!((plan.gradients.sums.block, plan.gradients.sums.grid), (COLUMN_SUM_THREADS, 128));
         assert_eq!(
-            (plan.gradients.sums.params.columns, plan.gradients.sums.params.partials2),
+            (plan.gradients.sums.block, plan.gradients.sums.grid),
+            (COLUMN_SUM_THREADS, 128)
+        );
+        assert_eq!(
+            (
+                plan.gradients.sums.params.columns,
+                plan.gradients.sums.params.partials2
+            ),
             (1, 0)
         );
     }

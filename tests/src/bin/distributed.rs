@@ -82,7 +82,9 @@ fn main() {
             .collect();
         ranks.into_iter().map(|r| r.join().unwrap()).collect()
     });
-    println!("| batch | op | rows on rank 0 | rank's backward µs | exact µs | exact − alone µs | exact bytes received per rank | fast µs | fast − alone µs | fast all-reduce bytes |");
+    println!(
+        "| batch | op | rows on rank 0 | rank's backward µs | exact µs | exact − alone µs | exact bytes received per rank | fast µs | fast − alone µs | fast all-reduce bytes |"
+    );
     println!("|---|---|---|---|---|---|---|---|---|---|");
     for line in &rows[0] {
         println!("{line}");
