@@ -404,9 +404,10 @@ fn main() -> Result<(), Error> {
     let world = CudaContext::device_count()? as usize;
     let split = BatchSplit::even(ROWS, D, world)?;
     // Every rank's rows in one micro-batch; one GPU takes the batch in as many.
-    let chunk = (0..world)
-        .map(|r| split.rank_rows(r).map(|r| r.len()))
-        .try_fold(1, |m, n| n.map(|n| n.max(m)))?;
+    let mut chunk = 1;
+    for r in 0..world {
+        chunk = chunk.max(split.rank_rows(r)?.len());
+    }
     println!(
         "model: RMSNorm({D}) → [{D} × {}] matmul → SwiGLU({F}); batch {ROWS} rows; {world} GPUs; SGD lr {LR}",
         2 * F

@@ -25,9 +25,8 @@ pub struct Communicator {
     cuda: Arc<CudaContext>,
 }
 
-// SAFETY: an NCCL communicator may be used from any thread, one call at a time (`&mut`-free
-// calls here are still serialized by the caller's stream order; NCCL documents comms as not
-// thread-safe for concurrent calls, which `Sync` would allow and is therefore not implemented).
+// SAFETY: NCCL lets any thread use a communicator as long as no two calls on it run at once.
+// `Communicator` is not `Sync`, so only its owner's thread ever calls it.
 unsafe impl Send for Communicator {}
 
 impl Communicator {
