@@ -295,6 +295,34 @@ impl<'a> Worker<'a> {
         Ok(())
     }
 
+    /// `STEPS` steps of SGD from the initial parameters; `backward` leaves this worker's dγ and
+    /// dW1 (summed over the ranks, for a rank) in its buffers.
+    fn train(
+        mut self,
+        mut backward: impl FnMut(&mut Self) -> Result<(), Error>,
+    ) -> Result<Run, Error> {
+        let mut p = Params::initial();
+        let (mut losses, mut first_dgamma) = (Vec::new(), Vec::new());
+        let start = Instant::now();
+        for step in 0..STEPS {
+            self.forward()?;
+            losses.push(self.loss_and_dh()?);
+            backward(&mut self)?;
+            let grads = self.gradients()?;
+            if step == 0 {
+                first_dgamma = grads.0.clone();
+            }
+            sgd(&mut p, &grads);
+            self.load(&p)?;
+        }
+        let ms_per_step = start.elapsed().as_secs_f64() * 1e3 / STEPS as f64;
+        Ok(Run {
+            losses,
+            first_dgamma,
+            ms_per_step,
+        })
+    }
+
     /// The gradients on the host: (dγ, dW1).
     fn gradients(&self) -> Result<(Vec<f32>, Vec<f32>), Error> {
         Ok((
@@ -324,33 +352,14 @@ struct Run {
 fn one_gpu(chunk: usize) -> Result<Run, Error> {
     let ctx = Context::new(0)?;
     let stream = ctx.cuda().new_stream()?;
-    let mut w = Worker::new(
+    let w = Worker::new(
         ctx.on(&stream)?,
         &stream,
         0..ROWS,
         chunk,
         rms_norm::workspace_len(ROWS, D)?,
     )?;
-    let mut p = Params::initial();
-    let (mut losses, mut first_dgamma) = (Vec::new(), Vec::new());
-    let start = Instant::now();
-    for step in 0..STEPS {
-        w.forward()?;
-        losses.push(w.loss_and_dh()?);
-        w.backward(rms_norm::backward)?;
-        let grads = w.gradients()?;
-        if step == 0 {
-            first_dgamma = grads.0.clone();
-        }
-        sgd(&mut p, &grads);
-        w.load(&p)?;
-    }
-    let ms_per_step = start.elapsed().as_secs_f64() * 1e3 / STEPS as f64;
-    Ok(Run {
-        losses,
-        first_dgamma,
-        ms_per_step,
-    })
+    w.train(|w| w.backward(rms_norm::backward))
 }
 
 /// Rank `rank` of `world`: its rows of the batch, dγ in exact mode, dW1 all-reduced.
@@ -370,33 +379,17 @@ fn rank(
         mode: Mode::Exact,
     };
     let workspace = split.rms_norm_workspace_len(rank, Mode::Exact)?;
-    let mut w = Worker::new(
+    let w = Worker::new(
         ctx.on(&stream)?,
         &stream,
         split.rank_rows(rank)?,
         chunk,
         workspace,
     )?;
-    let mut p = Params::initial();
-    let (mut losses, mut first_dgamma) = (Vec::new(), Vec::new());
-    let start = Instant::now();
-    for step in 0..STEPS {
-        w.forward()?;
-        losses.push(w.loss_and_dh()?);
+    w.train(|w| {
         w.backward(|gpu, args| distributed::rms_norm_backward(gpu, dp, args))?;
         comm.all_reduce_sum(&w.gpu, &mut w.dw1.as_view_mut())?;
-        let grads = w.gradients()?;
-        if step == 0 {
-            first_dgamma = grads.0.clone();
-        }
-        sgd(&mut p, &grads);
-        w.load(&p)?;
-    }
-    let ms_per_step = start.elapsed().as_secs_f64() * 1e3 / STEPS as f64;
-    Ok(Run {
-        losses,
-        first_dgamma,
-        ms_per_step,
+        Ok(())
     })
 }
 

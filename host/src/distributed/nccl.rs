@@ -238,10 +238,7 @@ pub fn rms_norm_backward<'s, T: Dtype, H: Dtype, W: Dtype, G: Dtype>(
     dp: DataParallel<'_>,
     args: NormBackward<'_, Gpu<'s>, T, H, W, G>,
 ) -> Result<()> {
-    let shape = (args.x.rows(), args.x.d());
-    dp.run(gpu, shape, |across| {
-        crate::norm::backward::run_across(Norm::Rms, gpu, args, Some(across))
-    })
+    norm_backward(Norm::Rms, gpu, dp, args)
 }
 
 /// LayerNorm backward as one rank of `dp`: as [`rms_norm_backward`], with dβ next to dγ; the
@@ -251,9 +248,18 @@ pub fn layer_norm_backward<'s, T: Dtype, H: Dtype, W: Dtype, G: Dtype>(
     dp: DataParallel<'_>,
     args: NormBackward<'_, Gpu<'s>, T, H, W, G>,
 ) -> Result<()> {
+    norm_backward(Norm::Layer, gpu, dp, args)
+}
+
+fn norm_backward<'s, T: Dtype, H: Dtype, W: Dtype, G: Dtype>(
+    norm: Norm,
+    gpu: &Gpu<'s>,
+    dp: DataParallel<'_>,
+    args: NormBackward<'_, Gpu<'s>, T, H, W, G>,
+) -> Result<()> {
     let shape = (args.x.rows(), args.x.d());
     dp.run(gpu, shape, |across| {
-        crate::norm::backward::run_across(Norm::Layer, gpu, args, Some(across))
+        crate::norm::backward::run_across(norm, gpu, args, Some(across))
     })
 }
 
