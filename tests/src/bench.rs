@@ -4,7 +4,8 @@
 use std::sync::Arc;
 
 use normkern::cudarc::driver::sys::CUevent_flags;
-use normkern::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use normkern::cudarc::driver::{CudaContext, CudaSlice, CudaStream, LaunchConfig};
+use normkern::cudarc::nvrtc::Ptx;
 
 /// Medians of one call's device time (CUDA events around it on the stream) and host time (what
 /// the call itself takes on the CPU: validation, planning and enqueueing), in µs.
@@ -70,4 +71,36 @@ pub fn copy_bandwidth(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, reps: us
         stream.memcpy_dtod(&src, &mut dst).expect("copy")
     });
     2.0 * (n * 4) as f64 / (us * 1e-6) / 1e9
+}
+
+/// An empty kernel: what one launch costs the host when the kernel does nothing.
+const EMPTY_KERNEL: &str = "
+.version 7.0
+.target sm_80
+.address_size 64
+.visible .entry empty()
+{
+    ret;
+}
+";
+
+/// Median host time (µs) of one launch of an empty kernel through cudarc (`cuLaunchKernel`), the
+/// floor under any call's host time: a call that enqueues n kernels costs at least n of these.
+pub fn launch_floor_us(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, reps: usize) -> f64 {
+    let module = ctx.load_module(Ptx::from_src(EMPTY_KERNEL)).expect("empty kernel");
+    let empty = module.load_function("empty").expect("empty kernel");
+    let config = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut host = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let start = std::time::Instant::now();
+        // SAFETY: the kernel takes no arguments and touches nothing.
+        unsafe { stream.launch_builder(&empty).launch(config) }.expect("launch");
+        host.push(start.elapsed().as_secs_f64() * 1e6);
+    }
+    stream.synchronize().expect("sync");
+    median(host)
 }

@@ -10,7 +10,7 @@ mod activation;
 mod norm;
 
 use normkern::Context;
-use normkern_tests::bench::{Timing, copy_bandwidth};
+use normkern_tests::bench::{Timing, copy_bandwidth, launch_floor_us};
 
 /// One measured row of the table.
 pub struct Measurement {
@@ -72,6 +72,7 @@ fn main() {
     let stream = ctx.cuda().new_stream().expect("stream");
     let name = ctx.cuda().name().unwrap_or_default();
     let copy = copy_bandwidth(ctx.cuda(), &stream, 50);
+    let launch_floor = launch_floor_us(ctx.cuda(), &stream, 1000);
     let mut results = Vec::new();
     results.extend(norm::run(&ctx, &stream, &settings));
     if settings.shapes.is_none() {
@@ -84,6 +85,9 @@ fn main() {
         ctx.ptx_arch()
     );
     println!("copy bandwidth (device-to-device, read + write): {copy:.0} GB/s");
+    println!(
+        "launch floor: {launch_floor:.1} host µs per launch of an empty kernel (cudarc, median of 1000)"
+    );
     println!("| op | rows×d | dtype | µs | GB/s | % of copy | host µs per call |");
     println!("|---|---|---|---:|---:|---:|---:|");
     for m in &results {
