@@ -16,6 +16,10 @@ use crate::kernel::{Dtype, Table};
 /// once) stay a few percent of a backward's traffic.
 pub const MAX_GROUPS: usize = 512;
 pub const MIN_ROWS_PER_GROUP: usize = 16;
+/// Most groups of a small batch (see [`group_layout`]).
+pub const SMALL_BATCH_GROUPS: usize = 256;
+/// Elements of a small batch per row of each of its groups (see [`group_layout`]).
+pub const SMALL_BATCH_ELEMS: usize = 1 << 20;
 /// Rows wider than this many elements are split over clusters of 8 blocks, of which the 132-SM
 /// Hopper parts (H100 SXM, H200) hold [`WIDE_ROW_TEAMS`] at a time.
 const WIDE_ROW_ELEMS: usize = 32768;
@@ -26,6 +30,13 @@ pub const MIN_WIDE_ROWS_PER_GROUP: usize = 4;
 /// `(rows_per_group, groups)` for `rows` rows of `d` elements: a function of the shape alone,
 /// which is what makes the gradients the same bits on every grid and every GPU. Every group has
 /// `rows_per_group` rows but the last, which has the rest.
+///
+/// Small batches of rows up to `WIDE_ROW_ELEMS` (fewer than [`SMALL_BATCH_GROUPS`] ·
+/// [`MIN_ROWS_PER_GROUP`] rows) take smaller
+/// groups, down to one row, so that their few rows spread over the SMs instead of queueing in a
+/// few blocks: up to [`SMALL_BATCH_GROUPS`] groups, each of at least one row per
+/// [`SMALL_BATCH_ELEMS`] elements of the call, which bounds the partial rows' extra traffic where
+/// it could cost bandwidth rather than latency.
 ///
 /// Rows wider than `WIDE_ROW_ELEMS` have few teams walking the groups, so the count of groups
 /// decides the balance: 64 groups of 16 over 15 clusters take 5 rounds where 4.3 would do. Their
@@ -40,7 +51,10 @@ pub const MIN_WIDE_ROWS_PER_GROUP: usize = 4;
 pub fn group_layout(rows: usize, d: usize) -> (usize, usize) {
     let fewest_groups = rows.div_ceil(MAX_GROUPS);
     let default = fewest_groups.max(MIN_ROWS_PER_GROUP);
-    let per_group = if d > WIDE_ROW_ELEMS {
+    let per_group = if d <= WIDE_ROW_ELEMS && rows < SMALL_BATCH_GROUPS * MIN_ROWS_PER_GROUP {
+        let by_size = rows.saturating_mul(d).div_ceil(SMALL_BATCH_ELEMS);
+        (rows.div_ceil(SMALL_BATCH_GROUPS).max(by_size)).clamp(1, MIN_ROWS_PER_GROUP)
+    } else if d > WIDE_ROW_ELEMS {
         let rounds = |p: usize| rows.div_ceil(p).div_ceil(WIDE_ROW_TEAMS);
         let cost = |p: usize| rounds(p).saturating_mul(p.saturating_mul(3).saturating_add(4));
         let lo = fewest_groups.max(MIN_WIDE_ROWS_PER_GROUP);

@@ -87,7 +87,9 @@ const EMPTY_KERNEL: &str = "
 /// Median host time (µs) of one launch of an empty kernel through cudarc (`cuLaunchKernel`), the
 /// floor under any call's host time: a call that enqueues n kernels costs at least n of these.
 pub fn launch_floor_us(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, reps: usize) -> f64 {
-    let module = ctx.load_module(Ptx::from_src(EMPTY_KERNEL)).expect("empty kernel");
+    let module = ctx
+        .load_module(Ptx::from_src(EMPTY_KERNEL))
+        .expect("empty kernel");
     let empty = module.load_function("empty").expect("empty kernel");
     let config = LaunchConfig {
         grid_dim: (1, 1, 1),

@@ -251,22 +251,25 @@ const OPS: [Op; 3] = [
 
 #[test]
 fn exact_mode_gives_the_whole_batchs_bits_on_every_rank() {
-    // 200 rows of 64: groups of 16 rows, 13 groups.
-    let (rows, d) = (200, 64);
-    assert_eq!(group_layout(rows, d), (16, 13));
+    // 4200 rows of 8: groups of 16 rows, 263 groups.
+    let (rows, d) = (4200, 8);
+    assert_eq!(group_layout(rows, d), (16, 263));
+    // A small batch: 200 rows of 64 in groups of one row.
+    assert_eq!(group_layout(200, 64), (1, 200));
     for op in OPS {
         check(op, &BatchSplit::even(rows, d, 2).unwrap());
         // Uneven, on group boundaries.
-        check(op, &BatchSplit::with_rows(&[48, 96, 56], d).unwrap());
+        check(op, &BatchSplit::with_rows(&[1600, 800, 1800], d).unwrap());
+        check(op, &BatchSplit::with_rows(&[48, 97, 55], 64).unwrap());
     }
 }
 
 #[test]
 fn ranks_without_rows_take_part() {
-    // 20 rows: 2 groups (16 + 4) over 4 ranks: ranks 0 and 2 hold none.
-    let split = BatchSplit::even(20, 48, 4).unwrap();
+    // 2 rows: 2 groups of one row over 4 ranks: ranks 0 and 2 hold none.
+    let split = BatchSplit::even(2, 48, 4).unwrap();
     let shares: Vec<_> = (0..4).map(|r| split.rank_rows(r).unwrap()).collect();
-    assert_eq!(shares, [0..0, 0..16, 16..16, 16..20]);
+    assert_eq!(shares, [0..0, 0..1, 1..1, 1..2]);
     for op in OPS {
         check(op, &split);
     }

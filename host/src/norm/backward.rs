@@ -557,6 +557,9 @@ pub(crate) mod tests {
                 (fewest.max(4)..=(2 * default).max(rows.div_ceil(15)))
                     .min_by_key(|&p| busiest(p))
                     .unwrap_or(default)
+            } else if rows < 256 * 16 {
+                // Small batches: up to 256 groups, at least one row per 2²⁰ elements each.
+                (rows.div_ceil(256).max((rows * d).div_ceil(1 << 20))).clamp(1, 16)
             } else {
                 default
             };
@@ -566,7 +569,7 @@ pub(crate) mod tests {
             .chain((3000..200_000).step_by(997))
             .chain([1 << 20, 1 << 24]);
         for rows in rows {
-            for d in [4096, 32769, 65536] {
+            for d in [1, 128, 4096, 32768, 32769, 65536] {
                 assert_eq!(group_layout(rows, d), scan(rows, d), "{rows}×{d}");
             }
         }
@@ -589,7 +592,12 @@ pub(crate) mod tests {
         assert_eq!(group_layout(1024, 65536), (69, 15));
         assert_eq!(group_layout(64, 1 << 20), (5, 13));
         assert_eq!(group_layout(3, 1 << 20), (4, 1));
-        assert_eq!(group_layout(0, 4096), (16, 0));
+        assert_eq!(group_layout(0, 4096), (1, 0));
+        // Small batches: rows spread over up to 256 groups (one row each at 64×4096).
+        assert_eq!(group_layout(64, 4096), (1, 64));
+        assert_eq!(group_layout(1024, 4096), (4, 256));
+        assert_eq!(group_layout(4095, 4096), (16, 256));
+        assert_eq!(group_layout(4096, 4096), (16, 256));
         assert_eq!(workspace_len(Norm::Layer, 16384, 4096), Ok(2 * 512 * 4096));
     }
 }

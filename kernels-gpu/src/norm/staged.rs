@@ -11,33 +11,58 @@ use crate::arch;
 use crate::element::{Access, Element, Pack, row_addr};
 use crate::reduce::{RowReducer, Team};
 
-/// The team's row `n` places after `row` of its group ending at `end`: within the group, or
-/// (for `n` at most a group's rows) within the team's next group, `next_first..next_end`.
-#[inline(always)]
-pub(super) fn row_ahead(
+/// A team's rows in order, one at a time: the rows of its groups `first, first + stride, …` of
+/// `per_group` rows each (but the last of all, which ends at `rows`). Groups may be shorter than
+/// the ring is deep (small batches have groups of one row): the ring's filler walks the team's
+/// rows with one of these, [`STAGES`] rows ahead of the rows being worked on. Additions only,
+/// no division: the widest tiles have no registers to spare.
+#[derive(Clone, Copy)]
+pub(super) struct TeamRows {
     row: usize,
-    n: usize,
     end: usize,
-    (next_first, next_end): (usize, usize),
-) -> Option<usize> {
-    if row + n < end {
-        Some(row + n)
-    } else {
-        let next = next_first + (row + n - end);
-        (next < next_end).then_some(next)
+    /// The first row of the current group.
+    start: usize,
+    per_group: usize,
+    /// Rows from one of the team's groups to its next.
+    stride_rows: usize,
+    rows: usize,
+}
+
+impl TeamRows {
+    #[inline(always)]
+    pub(super) fn new(first_group: usize, per_group: usize, stride: usize, rows: usize) -> Self {
+        let start = first_group * per_group;
+        TeamRows {
+            row: start,
+            end: (start + per_group).min(rows),
+            start,
+            per_group,
+            stride_rows: stride * per_group,
+            rows,
+        }
+    }
+
+    /// The current row, if the team has one.
+    #[inline(always)]
+    pub(super) fn get(&self) -> Option<usize> {
+        (self.row < self.end).then_some(self.row)
+    }
+
+    /// Moves to the team's next row.
+    #[inline(always)]
+    pub(super) fn advance(&mut self) {
+        self.row += 1;
+        if self.row >= self.end {
+            self.start += self.stride_rows;
+            self.row = self.start;
+            self.end = (self.start + self.per_group).min(self.rows);
+        }
     }
 }
 
 /// Rows in flight per block of a `staged` backward. Each holds the block's share of x and dy
-/// (at 4 packs × 256 threads, 32 KiB); four keep three rows loading while one is worked on. Groups
-/// of dγ rows must have at least this many rows (but the last of all), as the ring looks this far
-/// ahead into a team's next group only: every layout [`crate::column_sum::group_layout`] makes has.
+/// (at 4 packs × 256 threads, 32 KiB); four keep three rows loading while one is worked on.
 pub const STAGES: usize = 4;
-
-const _: () = assert!(
-    crate::column_sum::MIN_ROWS_PER_GROUP >= STAGES
-        && crate::column_sum::MIN_WIDE_ROWS_PER_GROUP >= STAGES
-);
 
 /// The end of a [`StagedRows`] ring that follows `start` words: the stages, 128-byte aligned
 /// (x and dy, `vpt` accesses of 16 bytes per thread each), then one mbarrier per stage.
@@ -188,12 +213,14 @@ pub(super) unsafe fn backward_staged<
     let filler = arch::thread_idx() == 0;
     let mut group = team.first;
     let (first, end) = group_rows(group);
-    // A group has at least `STAGES` rows unless it is the last of all (`group_layout`),
-    // so the first `STAGES` rows of a team lie in its first group.
-    if filler {
-        for (i, row) in (first..end.max(first)).take(STAGES).enumerate() {
+    // The team's first `STAGES` rows, however few groups they span; `fill` then stays `STAGES`
+    // rows ahead of the row being worked on.
+    let mut fill = TeamRows::new(group, per_group, team.stride, rows);
+    for i in 0..STAGES {
+        if filler && let Some(row) = fill.get() {
             unsafe { ring.fill(p, i, row) };
         }
+        fill.advance();
     }
     let mut next_stats = (0.0, 0.0);
     if first < end {
@@ -208,8 +235,10 @@ pub(super) unsafe fn backward_staged<
         for row in first..end {
             // The statistics are a row ahead in registers, as the rows are in the ring.
             let stats = next_stats;
-            if let Some(next) = row_ahead(row, 1, end, next_group) {
-                next_stats = load_stats::<N>(p, next);
+            if row + 1 < end {
+                next_stats = load_stats::<N>(p, row + 1);
+            } else if next_group.0 < next_group.1 {
+                next_stats = load_stats::<N>(p, next_group.0);
             }
             let (x, dy) = unsafe { ring.take(i, |k| tile.elem(k)) };
             let this = (x, dy, [(); VPT], stats);
@@ -217,9 +246,10 @@ pub(super) unsafe fn backward_staged<
                 let pass1 = tile.pass1(&mut reducer, &this);
                 // Pass 1 ended in a block barrier (its reduction), after every thread had read
                 // this row's stage: the stage can take the row `STAGES` ahead.
-                if filler && let Some(next) = row_ahead(row, STAGES, end, next_group) {
+                if filler && let Some(next) = fill.get() {
                     ring.fill(p, i + STAGES, next);
                 }
+                fill.advance();
                 tile.pass2(&mut reducer, row, &this, pass1, &mut dgamma, &mut dbeta);
             }
             i += 1;

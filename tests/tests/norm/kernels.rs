@@ -166,8 +166,20 @@ fn emulator_rows_split_over_clusters_match_reference() {
 // ---------------------------------------------------------------------------------------------
 // The GPU.
 
-/// Every d of the acceptance list, each with a row count from its list so every count appears.
-const GPU_SHAPES: [(usize, usize); 15] = [
+/// Small batches split over clusters (blocks of at most 64 threads force them): groups of one
+/// row, which the staged ring walks across groups.
+#[test]
+fn emulated_small_batches_split_over_clusters() {
+    let clustered = Host(Emulator::new().with_block_limit(64).unwrap());
+    let shapes = [(6, 4096, 4096, 0), (40, 2048, 2048, 0)];
+    for kind in [Kind::Rms, Kind::Layer { bias: true }] {
+        matches_reference::<bf16, _>(&clustered, kind, &shapes, &[]);
+    }
+}
+
+/// Every d of the acceptance list, each with a row count from its list so every count appears;
+/// and small batches of rows split over clusters (groups of one and of four rows).
+const GPU_SHAPES: [(usize, usize); 18] = [
     (16384, 1),
     (1000, 2),
     (64, 3),
@@ -183,6 +195,9 @@ const GPU_SHAPES: [(usize, usize); 15] = [
     (4096, 16384),
     (2, 65536),
     (64, 65536),
+    (64, 16384),
+    (1000, 16384),
+    (200, 32768),
 ];
 
 /// Strided rows, and views one element off 16-byte alignment (single-element access).
