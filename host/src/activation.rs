@@ -464,7 +464,7 @@ pub(crate) struct Plan {
     pub gradients: Option<GradientPlan>,
 }
 
-// Launch arithmetic on validated sizes (rows, d < 2³², at most 512 groups, packs of 4 or 8).
+// Launch arithmetic on validated sizes (rows, d < 2³², at most 8192 groups, packs of 4 or 8).
 #[allow(clippy::arithmetic_side_effects)]
 pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
     let (mut rows, mut d) = (call.rows, call.d);

@@ -3,7 +3,7 @@
 //! gradients. Each op's plan (`norm::forward::plan`, …) is a pure function of the call and the
 //! [`Device`]; these are its pieces.
 
-// Launch arithmetic on validated sizes (rows, d < 2³², at most 512 groups) and launch shapes
+// Launch arithmetic on validated sizes (rows, d < 2³², at most 8192 groups) and launch shapes
 // (blocks of 32 to 1024 threads, clusters of 1 to 8): nothing here overflows or divides by 0.
 #![allow(clippy::arithmetic_side_effects)]
 

@@ -12,10 +12,18 @@ use crate::element::{Access, Element, Pack, load_f32s};
 #[cfg(not(target_arch = "nvptx64"))]
 use crate::kernel::{Dtype, Table};
 
-/// Most groups of a layout, and fewest rows per group: the fp32 partial rows (written and read
-/// once) stay a few percent of a backward's traffic.
+/// Most groups of a layout (of rows wider than [`NARROW_ROW_ELEMS`]), and fewest rows per group:
+/// the fp32 partial rows (written and read once) stay a few percent of a backward's traffic.
 pub const MAX_GROUPS: usize = 512;
 pub const MIN_ROWS_PER_GROUP: usize = 16;
+/// Rows of at most this many elements may take more groups, `2²¹ / d` up to
+/// [`MAX_NARROW_GROUPS`]. A narrow row is little work for the block walking it, and each group is
+/// walked by one block: 512 groups left 1 Mi rows of 128 to 512 blocks of one warp each. (Rows of
+/// 1024 and 2048 gained in the plain backward with more groups but lost more with a fused
+/// residual, whose column sums then cost more than the parallelism gave: they keep 512;
+/// `bench-results/h200.md` has both.)
+pub const NARROW_ROW_ELEMS: usize = 512;
+pub const MAX_NARROW_GROUPS: usize = 8192;
 /// Most groups of a small batch (see [`group_layout`]).
 pub const SMALL_BATCH_GROUPS: usize = 256;
 /// Elements of a small batch per row of each of its groups (see [`group_layout`]).
@@ -49,7 +57,12 @@ pub const MIN_WIDE_ROWS_PER_GROUP: usize = 4;
 /// for each number of rounds (at most `MAX_GROUPS / WIDE_ROW_TEAMS + 1`, as there are at most
 /// `MAX_GROUPS` groups) only the smallest group size that needs no more rounds can be cheapest.
 pub fn group_layout(rows: usize, d: usize) -> (usize, usize) {
-    let fewest_groups = rows.div_ceil(MAX_GROUPS);
+    let most_groups = if d <= NARROW_ROW_ELEMS {
+        ((1 << 21) / d.max(1)).min(MAX_NARROW_GROUPS)
+    } else {
+        MAX_GROUPS
+    };
+    let fewest_groups = rows.div_ceil(most_groups);
     let default = fewest_groups.max(MIN_ROWS_PER_GROUP);
     let per_group = if d <= WIDE_ROW_ELEMS && rows < SMALL_BATCH_GROUPS * MIN_ROWS_PER_GROUP {
         let by_size = rows.saturating_mul(d).div_ceil(SMALL_BATCH_ELEMS);

@@ -24,8 +24,8 @@
 //! The GPU side (a [`Communicator`] and the backward calls on it) needs the `nccl` feature;
 //! the split is plain arithmetic, always there.
 
-// Arithmetic on validated sizes: rows and d below 2³², world below 2³¹, at most 512 groups, so
-// sums × groups × d < 2⁴² and no start or count overflows.
+// Arithmetic on validated sizes: rows and d below 2³², world below 2³¹, at most 8192 groups, so
+// sums × groups × d < 2⁴⁶ and no start or count overflows.
 #![allow(clippy::arithmetic_side_effects)]
 
 use std::ops::Range;
@@ -81,7 +81,7 @@ impl BatchSplit {
     /// ```
     pub fn even(rows: usize, d: usize, world: usize) -> Result<Self> {
         let (rows_per_group, groups) = Self::layout(rows, d, world)?;
-        // Rank r begins at group ⌊r·groups/world⌋ (world < 2³¹, groups ≤ 512: no overflow).
+        // Rank r begins at group ⌊r·groups/world⌋ (world < 2³¹, groups ≤ 8192: no overflow).
         let starts = (0..=world)
             .map(|r| {
                 let group = r * groups / world;

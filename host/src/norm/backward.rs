@@ -285,7 +285,7 @@ pub(crate) struct Plan {
     pub gradients: GradientPlan,
 }
 
-// Launch arithmetic on validated sizes (rows, d < 2³², at most 512 groups).
+// Launch arithmetic on validated sizes (rows, d < 2³², at most 8192 groups).
 #[allow(clippy::arithmetic_side_effects)]
 pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
     let (rows, d, dtype) = (call.rows, call.d, call.key.dtype);
@@ -351,7 +351,7 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
                 table: &BACKWARD,
                 key: NormKey { vec, ..call.key },
                 d,
-                // The backward's parallelism is its dγ groups (at most 512, 64 at 1024 rows),
+                // The backward's parallelism is its dγ groups (at most 8192, 64 at 1024 rows),
                 // and its streaming instance re-reads the partial rows: clusters whenever a row
                 // needs them.
                 work: gradients.groups,
@@ -550,7 +550,13 @@ pub(crate) mod tests {
     #[test]
     fn group_layouts_match_the_exhaustive_search() {
         fn scan(rows: usize, d: usize) -> (usize, usize) {
-            let fewest = rows.div_ceil(512);
+            // Rows of at most 512: up to 2²¹ / d groups, at most 8192.
+            let most = if d <= 512 {
+                ((1 << 21) / d).min(8192)
+            } else {
+                512
+            };
+            let fewest = rows.div_ceil(most);
             let default = fewest.max(16);
             let per_group = if d > 32768 {
                 let busiest = |p: usize| rows.div_ceil(p).div_ceil(15) * (3 * p + 4);
@@ -569,7 +575,7 @@ pub(crate) mod tests {
             .chain((3000..200_000).step_by(997))
             .chain([1 << 20, 1 << 24]);
         for rows in rows {
-            for d in [1, 128, 4096, 32768, 32769, 65536] {
+            for d in [1, 128, 512, 513, 4096, 32768, 32769, 65536] {
                 assert_eq!(group_layout(rows, d), scan(rows, d), "{rows}×{d}");
             }
         }
@@ -598,6 +604,10 @@ pub(crate) mod tests {
         assert_eq!(group_layout(1024, 4096), (4, 256));
         assert_eq!(group_layout(4095, 4096), (16, 256));
         assert_eq!(group_layout(4096, 4096), (16, 256));
+        // Narrow rows: more groups, so that many small blocks walk them (QK-norm's d = 128).
+        assert_eq!(group_layout(1 << 20, 128), (128, 8192));
+        assert_eq!(group_layout(262144, 512), (64, 4096));
+        assert_eq!(group_layout(65536, 1024), (128, 512));
         assert_eq!(workspace_len(Norm::Layer, 16384, 4096), Ok(2 * 512 * 4096));
     }
 }
