@@ -69,7 +69,7 @@ pub struct BatchSplit {
 
 impl BatchSplit {
     /// `rows × d` over `world` ranks, as evenly as whole groups allow (ranks differ by at most
-    /// one group; with fewer groups than ranks, the last ranks hold no rows).
+    /// one group; with fewer groups than ranks, some ranks hold no rows).
     ///
     /// ```
     /// use normkern::distributed::BatchSplit;
