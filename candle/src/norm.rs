@@ -29,6 +29,36 @@ impl Norm {
         elements / self.d.max(1)
     }
 
+    /// normkern's forward of this norm, with β when there is one.
+    fn forward<'a, E: Executor, T: Elem>(
+        &self,
+        exec: &E,
+        args: NormForward<'a, E, T>,
+        bias: Option<E::In<'a, T>>,
+    ) -> normkern::Result<()> {
+        let args = args.eps(self.eps).weight_offset(self.weight_offset);
+        match (self.kind, bias) {
+            (Kind::Rms, _) => rms_norm::forward(exec, args),
+            (Kind::Layer { .. }, Some(bias)) => layer_norm::forward(exec, args.bias(bias)),
+            (Kind::Layer { .. }, None) => layer_norm::forward(exec, args),
+        }
+    }
+
+    /// normkern's backward of this norm, with dβ when there is β.
+    fn backward<'a, E: Executor, T: Elem>(
+        &self,
+        exec: &E,
+        args: NormBackward<'a, E, T>,
+        dbias: Option<E::Out<'a, T>>,
+    ) -> normkern::Result<()> {
+        let args = args.eps(self.eps).weight_offset(self.weight_offset);
+        match (self.kind, dbias) {
+            (Kind::Rms, _) => rms_norm::backward(exec, args),
+            (Kind::Layer { .. }, Some(dbias)) => layer_norm::backward(exec, args.dbias(dbias)),
+            (Kind::Layer { .. }, None) => layer_norm::backward(exec, args),
+        }
+    }
+
     fn apply(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         self.check(x, bias)?;
         let x = x.contiguous()?;
@@ -137,23 +167,12 @@ impl Body for Forward {
         outputs: Vec<E::Out<'a, T>>,
         _: E::Out<'a, f32>,
     ) -> normkern::Result<()> {
-        let Norm {
-            kind,
-            eps,
-            weight_offset,
-            d,
-        } = self.0;
+        let d = self.0.d;
         let (mut inputs, mut outputs) = (inputs.into_iter(), outputs.into_iter());
         let (x, weight, y) = (next(&mut inputs)?, next(&mut inputs)?, next(&mut outputs)?);
         let rows = self.0.rows(x.elements());
-        let args = NormForward::new(Rows::new(x, rows, d)?, weight, Rows::new(y, rows, d)?)
-            .eps(eps)
-            .weight_offset(weight_offset);
-        match (kind, inputs.next()) {
-            (Kind::Rms, _) => rms_norm::forward(exec, args),
-            (Kind::Layer { .. }, Some(bias)) => layer_norm::forward(exec, args.bias(bias)),
-            (Kind::Layer { .. }, None) => layer_norm::forward(exec, args),
-        }
+        let args = NormForward::new(Rows::new(x, rows, d)?, weight, Rows::new(y, rows, d)?);
+        self.0.forward(exec, args, inputs.next())
     }
 }
 
@@ -219,12 +238,7 @@ impl Body for Backward {
         outputs: Vec<E::Out<'a, T>>,
         workspace: E::Out<'a, f32>,
     ) -> normkern::Result<()> {
-        let Norm {
-            kind,
-            eps,
-            weight_offset,
-            d,
-        } = self.0;
+        let d = self.0.d;
         let (mut inputs, mut outputs) = (inputs.into_iter(), outputs.into_iter());
         let (x, weight, dy) = (next(&mut inputs)?, next(&mut inputs)?, next(&mut inputs)?);
         let (dx, dweight) = (next(&mut outputs)?, next(&mut outputs)?);
@@ -236,14 +250,8 @@ impl Body for Backward {
             Rows::new(dx, rows, d)?,
             dweight,
             workspace,
-        )
-        .eps(eps)
-        .weight_offset(weight_offset);
-        match (kind, outputs.next()) {
-            (Kind::Rms, _) => rms_norm::backward(exec, args),
-            (Kind::Layer { .. }, Some(dbias)) => layer_norm::backward(exec, args.dbias(dbias)),
-            (Kind::Layer { .. }, None) => layer_norm::backward(exec, args),
-        }
+        );
+        self.0.backward(exec, args, outputs.next())
     }
 }
 
@@ -275,25 +283,14 @@ impl Body for ResidualForward {
         outputs: Vec<E::Out<'a, T>>,
         _: E::Out<'a, f32>,
     ) -> normkern::Result<()> {
-        let Norm {
-            kind,
-            eps,
-            weight_offset,
-            d,
-        } = self.0;
+        let d = self.0.d;
         let (mut inputs, mut outputs) = (inputs.into_iter(), outputs.into_iter());
         let (x, residual, weight) = (next(&mut inputs)?, next(&mut inputs)?, next(&mut inputs)?);
         let (y, h) = (next(&mut outputs)?, next(&mut outputs)?);
         let rows = self.0.rows(x.elements());
         let args = NormForward::new(Rows::new(x, rows, d)?, weight, Rows::new(y, rows, d)?)
-            .eps(eps)
-            .weight_offset(weight_offset)
             .residual(Rows::new(residual, rows, d)?, Rows::new(h, rows, d)?);
-        match (kind, inputs.next()) {
-            (Kind::Rms, _) => rms_norm::forward(exec, args),
-            (Kind::Layer { .. }, Some(bias)) => layer_norm::forward(exec, args.bias(bias)),
-            (Kind::Layer { .. }, None) => layer_norm::forward(exec, args),
-        }
+        self.0.forward(exec, args, inputs.next())
     }
 }
 
@@ -349,12 +346,7 @@ impl Body for ResidualBackward {
         outputs: Vec<E::Out<'a, T>>,
         workspace: E::Out<'a, f32>,
     ) -> normkern::Result<()> {
-        let Norm {
-            kind,
-            eps,
-            weight_offset,
-            d,
-        } = self.0;
+        let d = self.0.d;
         // [h, γ, (β), dy, dh]: the backward needs no β, only its gradient.
         let mut inputs = inputs;
         let missing = || normkern::Error::Internal("normkern-candle: a gradient is missing");
@@ -373,14 +365,8 @@ impl Body for ResidualBackward {
             dweight,
             workspace,
         )
-        .eps(eps)
-        .weight_offset(weight_offset)
         .dresidual(Rows::new(dh, rows, d)?);
-        match (kind, outputs.next()) {
-            (Kind::Rms, _) => rms_norm::backward(exec, args),
-            (Kind::Layer { .. }, Some(dbias)) => layer_norm::backward(exec, args.dbias(dbias)),
-            (Kind::Layer { .. }, None) => layer_norm::backward(exec, args),
-        }
+        self.0.backward(exec, args, outputs.next())
     }
 }
 
