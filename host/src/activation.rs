@@ -28,7 +28,8 @@ use crate::distributed::{Across, launch_backward};
 use crate::error::{Error, Result};
 use crate::executor::{Device, Executor, Launch};
 use crate::plan::{
-    GradientPlan, Partials, full_grid, gradient_plan, gradient_workspace_len, packs_fit,
+    GradientPlan, ParamGradients, Partials, check_gradients, full_grid, gradient_plan,
+    gradient_workspace_len, packs_fit,
 };
 use crate::tensor::{Buffer, Dtype, Rows, expect_len};
 
@@ -63,6 +64,8 @@ pub struct Backward<'a, E: Executor, T: Dtype> {
     pub grad: Gradient<'a, E, T>,
     /// Also writes dbias, bitwise reproducible on any grid and GPU.
     pub dbias: Option<Dbias<'a, E, T>>,
+    /// How dbias is summed over the rows; the default picks a deterministic way.
+    pub param_gradients: ParamGradients,
 }
 
 /// The gradient of an activation backward: read from `dy`, written to `dx`, or written over dy.
@@ -82,7 +85,8 @@ pub enum Gradient<'a, E: Executor, T: Dtype> {
 pub struct Dbias<'a, E: Executor, T: Dtype> {
     /// `d` elements: `Σ_rows dx`.
     pub dbias: E::Out<'a, T>,
-    /// At least [`workspace_len`] f32 for the group partials.
+    /// At least [`workspace_len`] f32 for the group partials, **allocated zeroed**
+    /// ([`ParamGradients`] says why).
     pub workspace: E::Out<'a, f32>,
 }
 
@@ -99,6 +103,7 @@ impl<'a, E: Executor, T: Dtype> Backward<'a, E, T> {
             preact,
             grad: Gradient::Separate { dy, dx },
             dbias: None,
+            param_gradients: ParamGradients::Auto,
         }
     }
 
@@ -113,6 +118,7 @@ impl<'a, E: Executor, T: Dtype> Backward<'a, E, T> {
             preact,
             grad: Gradient::InPlace(dy),
             dbias: None,
+            param_gradients: ParamGradients::Auto,
         }
     }
 
@@ -120,6 +126,14 @@ impl<'a, E: Executor, T: Dtype> Backward<'a, E, T> {
     pub fn dbias(self, dbias: E::Out<'a, T>, workspace: E::Out<'a, f32>) -> Self {
         Backward {
             dbias: Some(Dbias { dbias, workspace }),
+            ..self
+        }
+    }
+
+    /// Sums dbias over the rows as `strategy` says.
+    pub fn param_gradients(self, strategy: ParamGradients) -> Self {
+        Backward {
+            param_gradients: strategy,
             ..self
         }
     }
@@ -182,7 +196,7 @@ pub struct GatedBackward<'a, E: Executor, T: Dtype> {
 /// # Ok::<(), normkern::Error>(())
 /// ```
 pub fn workspace_len(rows: usize, d: usize) -> Result<usize> {
-    gradient_workspace_len(Partials::Own, rows, d, 1)
+    gradient_workspace_len(Partials::Own(ParamGradients::Auto), rows, d, 1)
 }
 
 /// `y = f(x)`. Example: the module's.
@@ -227,7 +241,17 @@ pub(crate) fn backward_across<E: Executor, T: Dtype>(
     across: Option<Across<'_>>,
 ) -> Result<()> {
     let (rows, d) = (args.preact.rows, args.preact.d);
-    let partials = across.as_ref().map_or(Partials::Own, |a| a.partials);
+    let strategy = args.param_gradients;
+    let partials = match &across {
+        None => Partials::Own(strategy),
+        Some(a) if matches!(strategy, ParamGradients::Auto | ParamGradients::TwoPass) => a.partials,
+        Some(_) => {
+            return Err(Error::Argument {
+                what: "param_gradients",
+                problem: "a backward across ranks sums its gradients its own way: leave it Auto",
+            });
+        }
+    };
     match &args.grad {
         Gradient::Separate { dy, dx } => {
             dy.expect_shape("dy", rows, d)?;
@@ -237,6 +261,7 @@ pub(crate) fn backward_across<E: Executor, T: Dtype>(
     }
     if let Some(db) = &args.dbias {
         expect_len("dbias", db.dbias.elements(), d)?;
+        check_gradients(partials, T::KERNEL, T::KERNEL)?;
         let needed = gradient_workspace_len(partials, rows, d, 1)?;
         if db.workspace.elements() < needed {
             return Err(Error::WorkspaceTooSmall {
@@ -438,7 +463,7 @@ impl Call {
             inputs: [(0, 0); 3],
             outputs: [(0, 0); 2],
             dbias: None,
-            partials: Partials::Own,
+            partials: Partials::Own(ParamGradients::Auto),
         }
     }
 
@@ -486,7 +511,7 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
             operand.1 = elements;
         }
     }
-    let gradients = match call.dbias {
+    let mut gradients = match call.dbias {
         Some((dbias, workspace)) => Some(gradient_plan(
             device,
             call.partials,
@@ -543,14 +568,19 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
         } else {
             accesses.div_ceil(THREADS * family.unroll())
         };
-        elementwise = Some(Launch {
+        let mut launch = Launch {
             kernel,
             grid: full_grid(device, tiles),
             block: THREADS,
             cluster: 1,
             shared_bytes: (kernel.shared_bytes)(THREADS),
+            cooperative: false,
             params,
-        });
+        };
+        if let Some(gradients) = gradients.as_mut() {
+            launch.params.sums = gradients.fit(device, &mut launch, tiles)?;
+        }
+        elementwise = Some(launch);
     }
     Ok(Plan {
         elementwise,

@@ -334,7 +334,11 @@ impl Device for Context {
             .get_or((kernel.id, block, cluster, shared_bytes), || {
                 let mut attribute = cluster_attribute(cluster);
                 let shape = (cluster, block, shared_bytes);
-                let config = launch_config(shape, std::ptr::null_mut(), &mut attribute);
+                let config = launch_config(
+                    shape,
+                    std::ptr::null_mut(),
+                    std::slice::from_mut(&mut attribute),
+                );
                 let mut clusters: std::ffi::c_int = 0;
                 // SAFETY: a live function of this context and a config whose one attribute outlives
                 // the call.
@@ -423,12 +427,16 @@ impl<'s> Executor for Gpu<'s> {
             .cuda
             .bind_to_thread()
             .map_err(Error::driver("cuCtxSetCurrent"))?;
-        let mut attribute = cluster_attribute(launch.cluster);
+        let mut attributes = [cluster_attribute(launch.cluster), cooperative_attribute()];
+        // The cluster attribute only for clusters, the cooperative one only when asked for.
+        let used = match (launch.cluster > 1, launch.cooperative) {
+            (true, true) => &mut attributes[..],
+            (true, false) => &mut attributes[..1],
+            (false, true) => &mut attributes[1..],
+            (false, false) => &mut attributes[..0],
+        };
         let shape = (launch.grid, launch.block, launch.shared_bytes);
-        let mut config = launch_config(shape, self.stream.cu_stream(), &mut attribute);
-        if launch.cluster == 1 {
-            config.numAttrs = 0;
-        }
+        let config = launch_config(shape, self.stream.cu_stream(), used);
         let mut params = launch.params;
         let mut args = [&mut params as *mut P as *mut std::ffi::c_void];
         // SAFETY: the op that planned the launch validated every buffer the parameters point to;
@@ -457,12 +465,21 @@ fn cluster_attribute(blocks: usize) -> sys::CUlaunchAttribute {
     attribute
 }
 
+/// The launch attribute that makes all blocks of a launch resident at once.
+fn cooperative_attribute() -> sys::CUlaunchAttribute {
+    // SAFETY: as in `cluster_attribute`.
+    let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+    attribute.value.cooperative = 1;
+    attribute
+}
+
 /// The driver's description of a launch of `(grid, block, shared bytes)` on `stream`, with
-/// `attribute` (a cluster dimension) as its one attribute.
+/// `attributes` (a cluster dimension, cooperative).
 fn launch_config(
     (grid, block, shared_bytes): (usize, usize, usize),
     stream: sys::CUstream,
-    attribute: &mut sys::CUlaunchAttribute,
+    attributes: &mut [sys::CUlaunchAttribute],
 ) -> sys::CUlaunchConfig {
     sys::CUlaunchConfig {
         gridDimX: grid as u32,
@@ -473,8 +490,8 @@ fn launch_config(
         blockDimZ: 1,
         sharedMemBytes: shared_bytes as u32,
         hStream: stream,
-        attrs: attribute,
-        numAttrs: 1,
+        attrs: attributes.as_mut_ptr(),
+        numAttrs: attributes.len() as u32,
     }
 }
 

@@ -160,10 +160,9 @@ impl Executor for Emulator {
         let (body, params) = (launch.kernel.body, launch.params);
         emu::launch(
             launch.kernel.name,
-            launch.grid,
-            launch.block,
-            launch.cluster,
+            (launch.grid, launch.block, launch.cluster),
             launch.shared_bytes,
+            launch.cooperative,
             // SAFETY: the op that planned the launch validated every buffer the parameters
             // point to.
             &|| unsafe { body(&params) },

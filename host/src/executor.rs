@@ -100,6 +100,9 @@ pub(crate) mod private {
         /// Blocks per thread-block cluster (sm_90); 1 launches without clusters.
         pub cluster: usize,
         pub shared_bytes: usize,
+        /// All blocks resident at once (`CU_LAUNCH_ATTRIBUTE_COOPERATIVE`): they may wait for
+        /// each other at a grid barrier.
+        pub cooperative: bool,
         pub params: P,
     }
 

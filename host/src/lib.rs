@@ -52,6 +52,7 @@ pub use error::{Error, Result};
 pub use executor::Executor;
 pub use norm::{DEFAULT_EPS, NormBackward, NormForward, ResidualAdd};
 pub use normkern_gpu::column_sum::group_layout;
+pub use plan::ParamGradients;
 pub use tensor::{Buffer, Dtype, Rows, RowsMut, RowsRef};
 
 pub use cudarc;

@@ -7,7 +7,10 @@
 // (blocks of 32 to 1024 threads, clusters of 1 to 8): nothing here overflows or divides by 0.
 #![allow(clippy::arithmetic_side_effects)]
 
-use normkern_gpu::column_sum::{self, COLUMN_SUM_THREADS, COLUMN_SUM_VECTOR, ColumnSumParams};
+use normkern_gpu::column_sum::{
+    self, COLUMN_SUM_THREADS, COLUMN_SUM_VECTOR, ColumnSumParams, GROUP_SUMS_ATOMIC,
+    GROUP_SUMS_IN_LAUNCH, GROUP_SUMS_SHARED_WORDS, GROUP_SUMS_SYNC_WORDS, GroupSums,
+};
 use normkern_gpu::kernel::{Dtype, Entry};
 use normkern_gpu::norm::STREAM;
 
@@ -251,6 +254,7 @@ pub(crate) fn column_sum(
         block,
         cluster: 1,
         shared_bytes,
+        cooperative: false,
         params: ColumnSumParams {
             partials,
             out,
@@ -263,13 +267,48 @@ pub(crate) fn column_sum(
     })
 }
 
+/// How a backward that sums over rows (the norms' dγ and dβ, the activations' dbias) turns its
+/// rows' contributions into the gradients. Every strategy starts alike: rows form groups of
+/// consecutive rows ([`crate::group_layout`], a function of the shape alone) and each group's
+/// contribution is summed in fp32 registers; they differ in what becomes of the groups' partial
+/// rows. `docs/param-gradients.md` compares them, measured.
+///
+/// The deterministic strategies give the same bits as each other on the same shape, on any grid
+/// and any GPU. Their workspace ([`crate::rms_norm::workspace_len`] and the like) starts with a
+/// few words the single launch counts in: **allocate it zeroed** (`alloc_zeros`); every call
+/// leaves them zero, so one zeroing at allocation serves every later call and every CUDA-graph
+/// replay. (A call that finds them not zero fails on the GPU rather than summing early: its
+/// kernel traps, and the CUDA context with it.) The rest of the workspace may hold anything
+/// between calls.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ParamGradients {
+    /// normkern's choice for the shape among the deterministic strategies (so the choice never
+    /// changes a result): [`Self::SingleLaunch`] where it can run, else [`Self::TwoPass`].
+    #[default]
+    Auto,
+    /// Each group of rows writes an fp32 partial row into the workspace; a second kernel sums the
+    /// partial rows, each column in a fixed order. Two launches.
+    TwoPass,
+    /// As [`Self::TwoPass`], in one launch: once every block has written its partial rows (a grid
+    /// barrier; the launch is cooperative, so all its blocks are resident at once), the same
+    /// blocks sum them in the same order: the same bits. Rows whose kernel has no room for the
+    /// sums' shared memory cannot use it ([`Error::Argument`]).
+    SingleLaunch,
+    /// Opt-in and **not deterministic**: every group adds its partial row into the gradients with
+    /// fp32 atomics as it finishes (the streaming rows of very wide `d`: every row does), so the
+    /// last bits vary from run to run. One launch, no workspace (any length will do). The
+    /// gradients must be f32, and the call **adds** into them: zero them before the first call
+    /// (or keep them, to accumulate over micro-batches).
+    Atomic,
+}
+
 /// Where the group partials of a backward's parameter gradients (dγ, dβ, dbias) go and how they
 /// become the gradients. Every layout keeps the sums' fixed order; they differ in whose rows
 /// the partial rows cover.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Partials {
-    /// One device: the call's own group layout; the column sum writes the outputs.
-    Own,
+    /// One device: the call's own group layout, summed as the [`ParamGradients`] strategy says.
+    Own(ParamGradients),
     /// A rank's share of a batch split over ranks (exact mode): groups of `rows_per_group` rows
     /// of the whole batch's layout, this rank's written at their place among the batch's `groups`
     /// partial rows; once the other ranks' rows are gathered in, the column sum over all of them
@@ -285,24 +324,31 @@ pub(crate) enum Partials {
 }
 
 /// The parameter-gradient half of a backward's plan: where the row kernel writes its partials,
-/// and the launches that turn them into the gradients.
+/// what it does with them, and the launches that turn them into the gradients.
 pub(crate) struct GradientPlan {
     /// The row kernel's grouping of the call's rows.
     pub rows_per_group: usize,
     pub groups: usize,
-    /// Where the row kernel writes the partial rows of the first sum and of the second (0: none).
+    /// Where the row kernel writes the partial rows of the first sum and of the second (0: none);
+    /// with atomic sums, the f32 gradients it adds into.
     pub partials: [u64; 2],
+    /// What the row kernel does with its partial rows (its parameters' `sums`).
+    pub group_sums: GroupSums,
     /// Exact mode: the batch's partial rows (address, groups, sums), to be gathered from the
     /// ranks before `sums`.
     pub gather: Option<(u64, usize, usize)>,
-    pub sums: Launch<Dtype, ColumnSumParams>,
+    /// The column sums after the row kernel: none where the row kernel sums or adds itself.
+    pub sums: Option<Launch<Dtype, ColumnSumParams>>,
     /// Fast mode: the fp32 sums `sums` wrote (address, elements), to be summed over the ranks,
     /// and the cast of them into the outputs.
     pub cast: Option<(u64, usize, Launch<Dtype, ColumnSumParams>)>,
+    /// The strategy asked for (`Auto` may still fall back to two launches: [`Self::fit`]).
+    strategy: ParamGradients,
 }
 
 /// f32 elements of workspace for `sums` (1 or 2) parameter gradients of `d` elements over `rows`
-/// rows laid out as `partials` says.
+/// rows laid out as `partials` says: the single launch's barrier words, then the partial rows
+/// (none for atomic sums).
 pub(crate) fn gradient_workspace_len(
     partials: Partials,
     rows: usize,
@@ -314,7 +360,8 @@ pub(crate) fn gradient_workspace_len(
         value: d,
     };
     let (groups, extra_rows) = match partials {
-        Partials::Own => (column_sum::group_layout(rows, d).1, 0),
+        Partials::Own(ParamGradients::Atomic) => return Ok(0),
+        Partials::Own(_) => (column_sum::group_layout(rows, d).1, 0),
         Partials::Shard { groups, .. } => (groups, 0),
         Partials::OwnSummedAcross => (column_sum::group_layout(rows, d).1, 1),
     };
@@ -322,12 +369,27 @@ pub(crate) fn gradient_workspace_len(
         .checked_add(extra_rows)
         .and_then(|r| r.checked_mul(d))
         .and_then(|n| n.checked_mul(sums))
+        .and_then(|n| n.checked_add(GROUP_SUMS_SYNC_WORDS))
         .ok_or(too_large)
+}
+
+/// Checks that the gradients' storage `dtype` suits the strategy: atomic sums add into f32.
+pub(crate) fn check_gradients(partials: Partials, dtype: Dtype, activations: Dtype) -> Result<()> {
+    if partials == Partials::Own(ParamGradients::Atomic) && dtype != Dtype::F32 {
+        return Err(Error::UnsupportedDtypes {
+            what: "parameter gradients (ParamGradients::Atomic)",
+            dtype: dtype.name(),
+            activations: activations.name(),
+            supported: "atomic sums add into f32 gradients",
+        });
+    }
+    Ok(())
 }
 
 /// The plan of the parameter gradients of a backward over `rows × d`: partials in `workspace`
 /// (at least [`gradient_workspace_len`] f32, checked by the caller), the sums into `outputs[0]`
-/// and, when not 0, `outputs[1]`, stored as `dtype`.
+/// and, when not 0, `outputs[1]`, stored as `dtype` (f32 for atomic sums, checked by
+/// [`check_gradients`]). The row kernel's launch then goes through [`GradientPlan::fit`].
 pub(crate) fn gradient_plan(
     device: &dyn Device,
     partials: Partials,
@@ -338,7 +400,7 @@ pub(crate) fn gradient_plan(
 ) -> Result<GradientPlan> {
     let row_bytes = (d * 4) as u64;
     let (rows_per_group, first_group, all_groups) = match partials {
-        Partials::Own | Partials::OwnSummedAcross => {
+        Partials::Own(_) | Partials::OwnSummedAcross => {
             let (per_group, groups) = column_sum::group_layout(rows, d);
             (per_group, 0, groups)
         }
@@ -350,42 +412,129 @@ pub(crate) fn gradient_plan(
     };
     let groups = rows.div_ceil(rows_per_group);
     let second = outputs[1] != 0;
+    let sync = workspace;
+    let rows_at = workspace + (GROUP_SUMS_SYNC_WORDS * 4) as u64;
     // Each sum's partial rows, all of them: [all_groups, d] f32, the second's after the first's.
-    let partials_of = |sum: u64| workspace + sum * all_groups as u64 * row_bytes;
+    let partials_of = |sum: u64| rows_at + sum * all_groups as u64 * row_bytes;
     let at = |sum: u64| partials_of(sum) + first_group as u64 * row_bytes;
     let if_second = |address: u64| if second { address } else { 0 };
     let plan = |out: [u64; 2], partials: [u64; 2], groups, dtype| {
         let second = (out[1] != 0).then_some((partials[1], out[1]));
         column_sum(device, dtype, (partials[0], out[0]), second, groups, d)
     };
+    let strategy = match partials {
+        Partials::Own(strategy) => strategy,
+        _ => ParamGradients::TwoPass,
+    };
+    if strategy == ParamGradients::Atomic {
+        return Ok(GradientPlan {
+            rows_per_group,
+            groups,
+            partials: outputs,
+            group_sums: GroupSums {
+                mode: GROUP_SUMS_ATOMIC,
+                ..GroupSums::default()
+            },
+            gather: None,
+            sums: None,
+            cast: None,
+            strategy,
+        });
+    }
     let mut gradient = GradientPlan {
         rows_per_group,
         groups,
         partials: [at(0), if_second(at(1))],
+        group_sums: GroupSums {
+            sync,
+            out: outputs[0],
+            out2: outputs[1],
+            out_f32: (dtype == Dtype::F32) as u32,
+            ..GroupSums::default()
+        },
         gather: None,
-        sums: plan(outputs, [partials_of(0), partials_of(1)], all_groups, dtype)?,
+        sums: Some(plan(
+            outputs,
+            [partials_of(0), partials_of(1)],
+            all_groups,
+            dtype,
+        )?),
         cast: None,
+        strategy,
     };
     match partials {
-        Partials::Own => {}
+        Partials::Own(_) => {}
         Partials::Shard { .. } => {
-            gradient.gather = Some((workspace, all_groups, 1 + second as usize));
+            gradient.gather = Some((rows_at, all_groups, 1 + second as usize));
         }
         Partials::OwnSummedAcross => {
             // fp32 sums after all partial rows, one row per sum; the cast is a column sum of one.
             let sums_at = partials_of(1 + second as u64);
             let fp32 = [sums_at, if_second(sums_at + row_bytes)];
             let count = d * (1 + second as usize);
-            gradient.sums = plan(
+            gradient.sums = Some(plan(
                 fp32,
                 [partials_of(0), partials_of(1)],
                 all_groups,
                 Dtype::F32,
-            )?;
+            )?);
             gradient.cast = Some((sums_at, count, plan(outputs, fp32, 1, dtype)?));
         }
     }
     Ok(gradient)
+}
+
+impl GradientPlan {
+    /// Fits the row kernel's launch (`rows`, a persistent grid over `work` items) to the
+    /// strategy and returns what its parameters' `sums` must say. The single launch takes
+    /// [`GROUP_SUMS_SHARED_WORDS`] more shared memory, a grid that is resident all at once and a
+    /// cooperative launch, and drops the column sums; where the kernel has no room for that
+    /// shared memory, `Auto` keeps two launches and a forced single launch is refused.
+    pub(crate) fn fit<K, P>(
+        &mut self,
+        device: &dyn Device,
+        rows: &mut Launch<K, P>,
+        work: usize,
+    ) -> Result<GroupSums> {
+        let single = match self.strategy {
+            ParamGradients::Atomic => return Ok(self.group_sums),
+            ParamGradients::TwoPass => false,
+            ParamGradients::Auto | ParamGradients::SingleLaunch => true,
+        };
+        let shared_bytes = rows.shared_bytes + GROUP_SUMS_SHARED_WORDS * 4;
+        let limit = if rows.kernel.large_shared {
+            device.shared_opt_in()
+        } else {
+            DEFAULT_SHARED_BYTES
+        };
+        if !single || self.gather.is_some() || self.cast.is_some() {
+            return Ok(self.group_sums);
+        }
+        if shared_bytes > limit {
+            if self.strategy == ParamGradients::SingleLaunch {
+                return Err(Error::Argument {
+                    what: "ParamGradients::SingleLaunch",
+                    problem: "this row kernel has no room for the sums' shared memory; use \
+                              TwoPass or Auto",
+                });
+            }
+            return Ok(self.group_sums);
+        }
+        let grid = persistent_grid(
+            device,
+            rows.kernel.entry(),
+            work,
+            rows.block,
+            rows.cluster,
+            shared_bytes,
+        )?;
+        (rows.grid, rows.shared_bytes, rows.cooperative) = (grid, shared_bytes, true);
+        self.sums = None;
+        Ok(GroupSums {
+            mode: GROUP_SUMS_IN_LAUNCH,
+            ..self.group_sums
+        })
+    }
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@
 //! several GPUs in group order and summed to the same bits again.
 
 use crate::arch::{self, WARP};
-use crate::element::{Access, Element, Pack, load_f32s};
+use crate::element::{Access, Element, F32, Pack, load_f32s, store_f32s};
 #[cfg(not(target_arch = "nvptx64"))]
 use crate::kernel::{Dtype, Table};
 
@@ -138,21 +138,26 @@ pub const COLUMN_SUM_VECTOR: usize = 4;
 pub unsafe fn column_sum<T: Element>(p: &ColumnSumParams) {
     unsafe {
         if p.columns as usize == COLUMN_SUM_VECTOR {
-            column_sum_by::<T, COLUMN_SUM_VECTOR>(p)
+            column_sum_by::<T, COLUMN_SUM_VECTOR>(p, 0)
         } else {
-            column_sum_by::<T, 1>(p)
+            column_sum_by::<T, 1>(p, 0)
         }
     }
 }
 
+/// The column sum by a block of any size: its warps take the [`COLUMN_SUM_SLICES`] group slices
+/// of a slab in turns (warp `w` slices `w`, `w + warps`, …), each slice's sum goes to shared
+/// memory at `base` (`COLUMN_SUM_SLICES · 32 · COLUMNS` words), and the slices are added in slice
+/// order: the same order, so the same bits, for every block size.
 #[inline(always)]
-unsafe fn column_sum_by<T: Element, const COLUMNS: usize>(p: &ColumnSumParams) {
+unsafe fn column_sum_by<T: Element, const COLUMNS: usize>(p: &ColumnSumParams, base: usize) {
     let shared = arch::shared_f32();
     let tid = arch::thread_idx();
-    let (lane, slice) = (tid % WARP, tid / WARP);
+    let (lane, warp) = (tid % WARP, tid / WARP);
+    let warps = arch::block_dim() / WARP;
     let (d, groups) = (p.d as usize, p.groups as usize);
     // The first shared word of a slice's share of this lane's columns.
-    let word = |slice: usize| (slice * WARP + lane) * COLUMNS;
+    let word = |slice: usize| base + (slice * WARP + lane) * COLUMNS;
     let slabs = d.div_ceil(WARP * COLUMNS);
     // The output says whether there is a second sum: with no rows the partials may be empty, and
     // an empty device allocation sits at address 0.
@@ -165,48 +170,53 @@ unsafe fn column_sum_by<T: Element, const COLUMNS: usize>(p: &ColumnSumParams) {
             (p.partials2, p.out2)
         };
         let col = (item % slabs * WARP + lane) * COLUMNS;
-        let mut acc = [0.0f32; COLUMNS];
-        // `d` is a multiple of `COLUMNS`: a thread's columns are all inside or all past it.
-        if col < d {
-            // Issue COLUMN_SUM_UNROLL independent loads, then add them in group order: the order
-            // is the plain sequential one, the loads overlap instead of waiting one by one.
-            // Four columns per thread keep half as many loads in flight (twice the bytes).
-            let unroll = if COLUMNS > 1 {
-                COLUMN_SUM_UNROLL / 2
-            } else {
-                COLUMN_SUM_UNROLL
-            };
-            let mut g = slice;
-            while g < groups {
-                let mut vals = [[0.0f32; COLUMNS]; COLUMN_SUM_UNROLL];
-                for u in 0..unroll {
-                    let gu = g + u * COLUMN_SUM_SLICES;
-                    if COLUMNS > 1 {
-                        // Unconditional loads (of the last group past the end, then dropped), so
-                        // all of them issue before the first add waits.
-                        let row = partials + (gu.min(groups - 1) * d * 4) as u64;
-                        let loaded = unsafe { load_f32s::<true>(row, col, COLUMNS) };
-                        for c in 0..COLUMNS {
-                            vals[u][c] = if gu < groups { loaded[c] } else { 0.0 };
+        let mut slice = warp;
+        while slice < COLUMN_SUM_SLICES {
+            let mut acc = [0.0f32; COLUMNS];
+            // `d` is a multiple of `COLUMNS`: a thread's columns are all inside or all past it.
+            if col < d {
+                // Issue COLUMN_SUM_UNROLL independent loads, then add them in group order: the
+                // order is the plain sequential one, the loads overlap instead of waiting one by
+                // one. Four columns per thread keep half as many loads in flight (twice the
+                // bytes).
+                let unroll = if COLUMNS > 1 {
+                    COLUMN_SUM_UNROLL / 2
+                } else {
+                    COLUMN_SUM_UNROLL
+                };
+                let mut g = slice;
+                while g < groups {
+                    let mut vals = [[0.0f32; COLUMNS]; COLUMN_SUM_UNROLL];
+                    for u in 0..unroll {
+                        let gu = g + u * COLUMN_SUM_SLICES;
+                        if COLUMNS > 1 {
+                            // Unconditional loads (of the last group past the end, then
+                            // dropped), so all of them issue before the first add waits.
+                            let row = partials + (gu.min(groups - 1) * d * 4) as u64;
+                            let loaded = unsafe { load_f32s::<true>(row, col, COLUMNS) };
+                            for c in 0..COLUMNS {
+                                vals[u][c] = if gu < groups { loaded[c] } else { 0.0 };
+                            }
+                        } else if gu < groups {
+                            let row = partials + (gu * d * 4) as u64;
+                            vals[u][0] = unsafe { load_f32s::<false>(row, col, 1) }[0];
                         }
-                    } else if gu < groups {
-                        let row = partials + (gu * d * 4) as u64;
-                        vals[u][0] = unsafe { load_f32s::<false>(row, col, 1) }[0];
                     }
-                }
-                for u in 0..unroll {
-                    for c in 0..COLUMNS {
-                        acc[c] += vals[u][c];
+                    for u in 0..unroll {
+                        for c in 0..COLUMNS {
+                            acc[c] += vals[u][c];
+                        }
                     }
+                    g += unroll * COLUMN_SUM_SLICES;
                 }
-                g += unroll * COLUMN_SUM_SLICES;
             }
-        }
-        for (c, a) in acc.iter().enumerate() {
-            unsafe { shared.store(word(slice) + c, *a) };
+            for (c, a) in acc.iter().enumerate() {
+                unsafe { shared.store(word(slice) + c, *a) };
+            }
+            slice += warps;
         }
         arch::sync_threads();
-        if slice == 0 && col < d {
+        if warp == 0 && col < d {
             for c in 0..COLUMNS {
                 let mut total = 0.0f32;
                 for s in 0..COLUMN_SUM_SLICES {
@@ -219,6 +229,116 @@ unsafe fn column_sum_by<T: Element, const COLUMNS: usize>(p: &ColumnSumParams) {
         }
         arch::sync_threads();
         item += arch::grid_dim();
+    }
+}
+
+/// [`GroupSums::mode`]: store the partial rows for a column-sum launch after the row kernel.
+pub const GROUP_SUMS_PARTIALS: u32 = 0;
+/// [`GroupSums::mode`]: store them, then sum them in the same launch after a grid barrier.
+pub const GROUP_SUMS_IN_LAUNCH: u32 = 1;
+/// [`GroupSums::mode`]: add them into f32 gradients with atomics.
+pub const GROUP_SUMS_ATOMIC: u32 = 2;
+
+/// Words of shared memory [`finish_group_sums`] takes at the end of a block's dynamic shared
+/// memory: one per lane and group slice.
+pub const GROUP_SUMS_SHARED_WORDS: usize = COLUMN_SUM_SLICES * WARP;
+
+/// Words at the start of a backward's workspace for its grid barrier (arrivals, generation; two
+/// more keep the partial rows after them 16-byte aligned). Zero when allocated; every call
+/// leaves them so.
+pub const GROUP_SUMS_SYNC_WORDS: usize = 4;
+
+/// What a backward's row kernel does with each group's partial row (part of its parameters).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GroupSums {
+    /// [`GROUP_SUMS_PARTIALS`]: store the partial rows, for a [`column_sum`] launch after this
+    /// one. [`GROUP_SUMS_IN_LAUNCH`]: store them, wait for every block at a grid barrier (a
+    /// cooperative launch), then sum them exactly as the column sum does into `out` (and `out2`).
+    /// [`GROUP_SUMS_ATOMIC`]: add each partial row into the f32 row the partials pointer names,
+    /// with atomics (no fixed order).
+    pub mode: u32,
+    /// `out`/`out2` are f32 (else the activations' dtype).
+    pub out_f32: u32,
+    /// [`GROUP_SUMS_IN_LAUNCH`]: the barrier's words ([`GROUP_SUMS_SYNC_WORDS`]).
+    pub sync: u64,
+    pub out: u64,
+    /// 0: one sum.
+    pub out2: u64,
+}
+
+/// Ends a row kernel's parameter gradients as `sums` says: nothing more for two-pass and atomics;
+/// in-launch sums wait for every block, then sum the `groups` partial rows of `d` at `partials`
+/// (and `partials2`) in the column sum's order. Call from every thread, after the block's last
+/// partial row is stored and its cluster is done with shared memory.
+///
+/// # Safety
+/// The partial rows and outputs are valid; an in-launch sum's launch is cooperative, and its
+/// blocks have [`GROUP_SUMS_SHARED_WORDS`] words at the end of their dynamic shared memory.
+#[inline(always)]
+pub unsafe fn finish_group_sums<T: Element>(
+    sums: &GroupSums,
+    (partials, partials2): (u64, u64),
+    groups: usize,
+    d: usize,
+) {
+    if sums.mode == GROUP_SUMS_IN_LAUNCH {
+        let outs = (sums.out, sums.out2, sums.out_f32 != 0);
+        unsafe { sum_in_launch::<T>(sums.sync, outs, (partials, partials2), groups, d) }
+    }
+}
+
+/// The in-launch sums of [`finish_group_sums`]: one function per output dtype, called at the end
+/// of every backward rather than inlined into it, so that the backward's registers, stack (none)
+/// and code stay its own and the sum's loops are unrolled as in the column-sum kernel.
+#[inline(never)]
+unsafe fn sum_in_launch<T: Element>(
+    sync: u64,
+    (out, out2, out_f32): (u64, u64, bool),
+    (partials, partials2): (u64, u64),
+    groups: usize,
+    d: usize,
+) {
+    unsafe { arch::grid_barrier(sync) };
+    let params = ColumnSumParams {
+        partials,
+        out,
+        partials2,
+        out2,
+        groups: groups as u32,
+        d: d as u32,
+        columns: 1,
+    };
+    let base = arch::dynamic_shared_words() - GROUP_SUMS_SHARED_WORDS;
+    unsafe {
+        if out_f32 {
+            column_sum_by::<F32, 1>(&params, base)
+        } else {
+            column_sum_by::<T, 1>(&params, base)
+        }
+    }
+}
+
+/// Stores `len` partial sums of group `group` at column `elem` of the `[groups, d]` partial rows
+/// at `partials` or, with atomic sums, adds them into the f32 row at `partials`.
+///
+/// # Safety
+/// The row (or group row) is valid for the columns.
+#[inline(always)]
+pub unsafe fn store_group_partials<const VEC: bool>(
+    sums: &GroupSums,
+    partials: u64,
+    (group, d): (usize, usize),
+    elem: usize,
+    vals: &[f32; 8],
+    len: usize,
+) {
+    if sums.mode == GROUP_SUMS_ATOMIC {
+        for (i, v) in vals.iter().enumerate().take(len) {
+            unsafe { arch::atomic_add_f32(partials + ((elem + i) * 4) as u64, *v) };
+        }
+    } else {
+        unsafe { store_f32s::<VEC>(partials + (group * d * 4) as u64, elem, vals, len) };
     }
 }
 

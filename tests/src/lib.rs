@@ -213,3 +213,13 @@ pub fn floats_mut(buf: &mut [[f32; 4]], n: usize) -> &mut [f32] {
 }
 
 pub mod bench;
+
+/// A backward's workspace of `len` f32 as a user may leave it between calls: zero in the words
+/// the single launch counts in (zeroed at allocation, left zero by every call), NaN in the rest,
+/// which no call may read before writing.
+pub fn poisoned_workspace(len: usize) -> Vec<f32> {
+    let mut workspace = vec![f32::NAN; len];
+    let counters = normkern_gpu::column_sum::GROUP_SUMS_SYNC_WORDS.min(len);
+    workspace[..counters].fill(0.0);
+    workspace
+}

@@ -7,7 +7,7 @@ use half::{bf16, f16};
 use normkern::activation::{
     self, Activation, Backward, Forward, GatedBackward, GatedForward, GatedGrad, GatedInput,
 };
-use normkern::{Context, Emulator, Error, Executor, Rows};
+use normkern::{Context, Emulator, Error, Executor, ParamGradients, Rows};
 use normkern_gpu::activation as device;
 use normkern_tests::backend::{Backend, Device, Host};
 use normkern_tests::reference::activation::{self as reference, ALL};
@@ -303,17 +303,21 @@ fn elementwise<B: Backend, T: TestDtype>(backend: &B, case: &Case<T>, act: Activ
     let mut in_place = backend.upload(&case.dy);
     let backward = Backward::in_place(act, case.view_mut::<B>(&mut in_place), case.view::<B>(&x));
     activation::backward(exec, backward).unwrap();
-    let mut dx2 = backend.upload(&poison);
-    let mut dbias = backend.upload(&vec![T::poison(); case.d]);
-    // NaN, so a partial the column sum reads before the backward wrote it shows in dbias.
-    let workspace_len = activation::workspace_len(case.rows, case.d).unwrap();
-    let mut workspace = backend.upload(&vec![f32::NAN; workspace_len]);
-    let (dy_rows, x_rows) = (case.view::<B>(&dy), case.view::<B>(&x));
-    let backward = Backward::new(act, dy_rows, x_rows, case.view_mut::<B>(&mut dx2))
-        .dbias(B::output(&mut dbias, 0), B::output(&mut workspace, 0));
-    activation::backward(exec, backward).unwrap();
-    let [y, dx, in_place, dx2] = [&y, &dx, &in_place, &dx2].map(|buf| backend.download(buf));
-    let dbias = backend.download(&dbias);
+    let (dx2, dbias) = dbias_backward(backend, case, act, ParamGradients::TwoPass);
+    // The single launch (and Auto) give the two-pass bits; atomics (f32 only) are within
+    // tolerance.
+    for strategy in [ParamGradients::SingleLaunch, ParamGradients::Auto] {
+        let (dx3, sums) = dbias_backward(backend, case, act, strategy);
+        assert!(
+            same_bits(&dx3, &dx2) && same_bits(&sums, &dbias),
+            "{what}: {strategy:?} differs from two-pass"
+        );
+    }
+    if T::NAME == "f32" {
+        let (_, atomic) = dbias_backward(backend, case, act, ParamGradients::Atomic);
+        case.expect_dbias(&format!("{what} atomic"), act, &atomic);
+    }
+    let [y, dx, in_place] = [&y, &dx, &in_place].map(|buf| backend.download(buf));
     case.expect_forward(&what, act, &y);
     case.expect_backward(&what, act, &dx);
     case.expect_untouched(&format!("{what} forward"), &y, &poison);
@@ -332,6 +336,41 @@ fn elementwise<B: Backend, T: TestDtype>(backend: &B, case: &Case<T>, act: Activ
     );
     case.expect_dbias(&what, act, &dbias);
     dbias
+}
+
+/// `(dx, dbias)` of a backward with dbias summed by `strategy`, into poisoned dx and dbias (zero
+/// for atomics, which add into it) and a poisoned workspace, whose barrier arrivals it must
+/// leave zero.
+fn dbias_backward<B: Backend, T: TestDtype>(
+    backend: &B,
+    case: &Case<T>,
+    act: Activation,
+    strategy: ParamGradients,
+) -> (Vec<T>, Vec<T>) {
+    let exec = backend.exec();
+    let (x, dy) = (backend.upload(&case.x), backend.upload(&case.dy));
+    let mut dx = backend.upload(&vec![T::poison(); case.x.len()]);
+    let start = if strategy == ParamGradients::Atomic {
+        T::from_f64(0.0)
+    } else {
+        T::poison()
+    };
+    let mut dbias = backend.upload(&vec![start; case.d]);
+    // NaN, so a partial the column sum reads before the backward wrote it shows in dbias.
+    let workspace_len = activation::workspace_len(case.rows, case.d).unwrap();
+    let mut workspace = backend.upload(&normkern_tests::poisoned_workspace(workspace_len));
+    let (dy_rows, x_rows) = (case.view::<B>(&dy), case.view::<B>(&x));
+    let backward = Backward::new(act, dy_rows, x_rows, case.view_mut::<B>(&mut dx))
+        .dbias(B::output(&mut dbias, 0), B::output(&mut workspace, 0))
+        .param_gradients(strategy);
+    activation::backward(exec, backward).unwrap();
+    let arrivals = backend.download(&workspace)[0];
+    assert_eq!(
+        arrivals.to_bits(),
+        0,
+        "{strategy:?}: arrivals left at {arrivals:?}"
+    );
+    (backend.download(&dx), backend.download(&dbias))
 }
 
 /// `(rows, d, stride, offset)` of the cases a test runs.

@@ -109,7 +109,7 @@ impl<T: TestDtype> Buffers<T> {
             grads: stream.clone_htod(&vec![f32::NAN; 2 * d]).unwrap(),
             act_dbias: stream.clone_htod(&vec![T::poison(); d]).unwrap(),
             workspace: stream
-                .clone_htod(&vec![f32::NAN; workspace.max(1)])
+                .clone_htod(&normkern_tests::poisoned_workspace(workspace.max(1)))
                 .unwrap(),
             rows: rows.len(),
             d,

@@ -1,11 +1,13 @@
 //! The CPU emulator reports kernel misuse instead of hanging or corrupting memory: a barrier not
 //! every thread reaches, a shuffle with missing lanes, shared memory out of bounds, a panic; and
-//! its clusters behave as sm_90's do.
+//! its clusters behave as sm_90's do, and a cooperative launch's blocks meet at grid barriers.
 
 use normkern_gpu::arch::{self, emu};
 use normkern_gpu::column_sum::{self, COLUMN_SUM_THREADS, COLUMN_SUM_VECTOR, ColumnSumParams};
 use normkern_gpu::kernel::Dtype;
 use normkern_gpu::reduce;
+use std::sync::atomic::AtomicU32;
+use std::sync::atomic::Ordering::SeqCst;
 
 fn expect_error(result: Result<(), emu::EmuError>, kernel: &str, needle: &str) {
     let err = result.expect_err("the misuse went unnoticed");
@@ -20,7 +22,7 @@ fn expect_error(result: Result<(), emu::EmuError>, kernel: &str, needle: &str) {
 
 #[test]
 fn barrier_in_divergent_code_is_reported() {
-    let r = emu::launch("half_barrier", 1, 64, 1, 0, &|| {
+    let r = emu::launch("half_barrier", (1, 64, 1), 0, false, &|| {
         if arch::thread_idx() < 32 {
             arch::sync_threads();
         }
@@ -34,7 +36,7 @@ fn barrier_in_divergent_code_is_reported() {
 
 #[test]
 fn shuffle_with_missing_lanes_is_reported() {
-    let r = emu::launch("half_warp_shuffle", 1, 32, 1, 0, &|| {
+    let r = emu::launch("half_warp_shuffle", (1, 32, 1), 0, false, &|| {
         if arch::thread_idx() < 16 {
             reduce::warp_sum(1.0);
         }
@@ -45,7 +47,7 @@ fn shuffle_with_missing_lanes_is_reported() {
 #[test]
 fn shuffle_in_a_partial_warp_is_reported() {
     // 48 threads: the second warp has 16 lanes, a full-mask shuffle there is undefined on a GPU.
-    let r = emu::launch("partial_warp", 1, 48, 1, 0, &|| {
+    let r = emu::launch("partial_warp", (1, 48, 1), 0, false, &|| {
         reduce::warp_sum(1.0);
     });
     expect_error(r, "partial_warp", "warp shuffle not reached");
@@ -53,7 +55,7 @@ fn shuffle_in_a_partial_warp_is_reported() {
 
 #[test]
 fn shared_memory_out_of_bounds_is_reported() {
-    let r = emu::launch("shared_overflow", 2, 32, 1, 64, &|| unsafe {
+    let r = emu::launch("shared_overflow", (2, 32, 1), 64, false, &|| unsafe {
         arch::shared_f32().store(16 + arch::thread_idx(), 1.0);
     });
     expect_error(r, "shared_overflow", "beyond the launch's 16 words");
@@ -61,7 +63,7 @@ fn shared_memory_out_of_bounds_is_reported() {
 
 #[test]
 fn a_panicking_thread_fails_the_launch_with_its_message() {
-    let r = emu::launch("panics", 1, 64, 1, 0, &|| {
+    let r = emu::launch("panics", (1, 64, 1), 0, false, &|| {
         let v = [0u8; 4];
         let i = arch::thread_idx();
         std::hint::black_box(v[i]);
@@ -74,10 +76,9 @@ fn correct_block_reduction_runs_and_sums_in_order() {
     let sums = std::sync::Mutex::new(Vec::new());
     emu::launch(
         "block_sum",
-        3,
-        96,
-        1,
+        (3, 96, 1),
         reduce::ROW_REDUCER_SHARED_WORDS * 4,
+        false,
         &|| {
             let mut reducer = unsafe { reduce::RowReducer::new(false) };
             // Two successive reductions reuse the alternating slots.
@@ -107,10 +108,9 @@ fn cluster_reduction_gives_every_block_the_same_sums() {
     let sums = std::sync::Mutex::new(Vec::new());
     emu::launch(
         "cluster_sum",
-        12,
-        64,
-        3,
+        (12, 64, 3),
         reduce::ROW_REDUCER_SHARED_WORDS * 4,
+        false,
         &|| {
             let mut reducer = unsafe { reduce::RowReducer::new(true) };
             let rank = arch::cluster_rank();
@@ -154,10 +154,9 @@ fn overlapped_cluster_reductions_come_back_in_order() {
     let results = std::sync::Mutex::new(Vec::new());
     emu::launch(
         "overlapped_sums",
-        8,
-        32,
-        4,
+        (8, 32, 4),
         reduce::ROW_REDUCER_SHARED_WORDS * 4,
+        false,
         &|| {
             let mut reducer = unsafe { reduce::RowReducer::new(true) };
             let tid = arch::cluster_rank() * arch::block_dim() + arch::thread_idx();
@@ -204,7 +203,7 @@ fn overlapped_cluster_reductions_come_back_in_order() {
 
 #[test]
 fn cluster_barrier_in_divergent_code_is_reported() {
-    let r = emu::launch("half_cluster", 4, 32, 2, 0, &|| {
+    let r = emu::launch("half_cluster", (4, 32, 2), 0, false, &|| {
         if arch::cluster_rank() == 0 {
             arch::sync_cluster();
         }
@@ -218,7 +217,7 @@ fn cluster_barrier_in_divergent_code_is_reported() {
 
 #[test]
 fn a_grid_that_is_not_whole_clusters_is_refused() {
-    let r = emu::launch("ragged", 5, 32, 2, 0, &|| {});
+    let r = emu::launch("ragged", (5, 32, 2), 0, false, &|| {});
     expect_error(r, "ragged", "invalid launch shape");
 }
 
@@ -235,7 +234,7 @@ fn column_sums_by_one_or_four_columns_give_the_same_bits() {
     };
     let inputs = [partials(), partials()];
     let kernel = column_sum::KERNELS.find(&Dtype::F32).unwrap();
-    let sum = |columns: usize| {
+    let sum = |columns: usize, threads: usize| {
         let outs = [vec![f32::NAN; d], vec![f32::NAN; d]];
         let p = ColumnSumParams {
             partials: inputs[0].as_ptr() as u64,
@@ -253,16 +252,23 @@ fn column_sums_by_one_or_four_columns_give_the_same_bits() {
         let body = kernel.body;
         emu::launch(
             kernel.name,
-            3,
-            COLUMN_SUM_THREADS,
-            1,
+            (3, threads, 1),
             shared_bytes,
+            false,
             &|| unsafe { body(&p) },
         )
         .unwrap();
         outs
     };
-    let (one, four) = (sum(1), sum(COLUMN_SUM_VECTOR));
+    let (one, four) = (
+        sum(1, COLUMN_SUM_THREADS),
+        sum(COLUMN_SUM_VECTOR, COLUMN_SUM_THREADS),
+    );
+    // Blocks of fewer warps take the 16 group slices in turns (as a backward's blocks do when
+    // they sum in their own launch): the same order, so the same bits.
+    for threads in [32, 96, 256] {
+        assert_eq!(sum(1, threads), one, "{threads} threads");
+    }
     for (i, partials) in inputs.iter().enumerate() {
         for j in 0..d {
             let exact: f64 = (0..groups).map(|g| partials[g * d + j] as f64).sum();
@@ -274,4 +280,52 @@ fn column_sums_by_one_or_four_columns_give_the_same_bits() {
             assert_eq!(got.to_bits(), four[i][j].to_bits(), "sum {i} column {j}");
         }
     }
+}
+
+/// Every block of a cooperative launch writes its word, meets the others at a grid barrier, and
+/// reads all words; twice, so the barrier's words are reused. The counter is left zero.
+#[test]
+fn cooperative_blocks_meet_at_grid_barriers() {
+    let blocks = 7;
+    let sync = [AtomicU32::new(0), AtomicU32::new(0)];
+    let words: Vec<AtomicU32> = (0..blocks).map(|_| AtomicU32::new(0)).collect();
+    let seen: Vec<AtomicU32> = (0..blocks).map(|_| AtomicU32::new(0)).collect();
+    emu::launch("grid_barrier", (blocks, 64, 1), 0, true, &|| {
+        let b = arch::block_idx();
+        for round in 1..=2u32 {
+            if arch::thread_idx() == 0 {
+                words[b].store(round * 100 + b as u32, SeqCst);
+            }
+            unsafe { arch::grid_barrier(sync.as_ptr() as u64) };
+            if arch::thread_idx() == 0 {
+                let all = (0..blocks).all(|o| words[o].load(SeqCst) == round * 100 + o as u32);
+                seen[b].fetch_add(all as u32, SeqCst);
+            }
+            unsafe { arch::grid_barrier(sync.as_ptr() as u64) };
+        }
+    })
+    .unwrap();
+    assert!(seen.iter().all(|s| s.load(SeqCst) == 2));
+    // Arrivals back at zero; four barriers advanced the generation four times.
+    assert_eq!(sync.map(|w| w.into_inner()), [0, 4]);
+}
+
+/// A grid barrier in a launch that is not cooperative (blocks run one after another) is
+/// reported, not hung; so is a barrier whose counter was not zero.
+#[test]
+fn grid_barriers_outside_cooperative_launches_or_on_dirty_words_are_reported() {
+    let sync = [AtomicU32::new(0), AtomicU32::new(0)];
+    let r = emu::launch("not_cooperative", (2, 32, 1), 0, false, &|| unsafe {
+        arch::grid_barrier(sync.as_ptr() as u64)
+    });
+    expect_error(
+        r,
+        "not_cooperative",
+        "grid barrier that not all 2 blocks reach",
+    );
+    let dirty = [AtomicU32::new(0x7fc0_0000), AtomicU32::new(0)];
+    let r = emu::launch("dirty_barrier", (2, 32, 1), 0, true, &|| unsafe {
+        arch::grid_barrier(dirty.as_ptr() as u64)
+    });
+    expect_error(r, "dirty_barrier", "its words were not zero");
 }

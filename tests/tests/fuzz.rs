@@ -30,6 +30,7 @@ use normkern::{
     DEFAULT_EPS, Emulator, Error, NormBackward, NormForward, Rows, group_layout, layer_norm,
     rms_norm,
 };
+use normkern_gpu::column_sum::GROUP_SUMS_SYNC_WORDS;
 use normkern_tests::reference::activation::{self as act_reference, ALL};
 use normkern_tests::reference::{layer_norm as layer_reference, rms_norm as rms_reference};
 use normkern_tests::{Rng, TestDtype, rms};
@@ -419,6 +420,12 @@ impl Buf {
                 poison
             };
             self.set_bits(i, bits);
+        }
+        if self.name == "workspace" {
+            // The words the single launch counts in are zero when allocated (and stay so).
+            for i in 0..GROUP_SUMS_SYNC_WORDS.min(self.layout.view) {
+                self.set_bits(self.layout.offset + i, 0);
+            }
         }
     }
 
@@ -2208,7 +2215,9 @@ fn sizing_call(
     }
     let mut fits = true;
     for (partials, got) in lens {
-        let want = groups.checked_mul(d).and_then(|n| n.checked_mul(partials));
+        // The single launch's barrier words, then the partial rows.
+        let want = (groups.checked_mul(d).and_then(|n| n.checked_mul(partials)))
+            .and_then(|n| n.checked_add(GROUP_SUMS_SYNC_WORDS));
         fits &= want.is_some();
         match (&got, want) {
             (Ok(n), Some(w)) if *n == w => {}

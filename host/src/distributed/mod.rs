@@ -290,7 +290,9 @@ pub(crate) fn launch_backward<E: Executor, K: Sync, P: Copy + Sync>(
             .ok_or(no_meet.clone())?
             .gather(partials, groups, sums)?;
     }
-    exec.launch(&gradients.sums)?;
+    if let Some(sums) = &gradients.sums {
+        exec.launch(sums)?;
+    }
     if let Some((sums, count, cast)) = &gradients.cast {
         meet.ok_or(no_meet)?.all_reduce(*sums, *count)?;
         exec.launch(cast)?;

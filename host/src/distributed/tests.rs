@@ -7,7 +7,9 @@ use std::sync::{Arc, Barrier, Mutex};
 use super::*;
 use crate::activation::{self, Activation};
 use crate::norm::NormBackward;
+use crate::plan::ParamGradients;
 use crate::{Emulator, Rows};
+use normkern_gpu::column_sum::GROUP_SUMS_SYNC_WORDS;
 use normkern_gpu::norm::Norm;
 
 /// A 16-byte aligned f32 buffer of `n` elements (the emulator plans 16-byte packs where the
@@ -116,7 +118,8 @@ impl Op {
         let weight = aligned(random(7, d).into_iter().map(|w| 1.0 + w / 4.0), d);
         let mut dx = aligned([], rows * d);
         let mut grads = aligned([], 2 * d);
-        let mut ws = aligned([], workspace);
+        // Zero in the single launch's barrier words (as allocated), NaN past them.
+        let mut ws = aligned([0.0; GROUP_SUMS_SYNC_WORDS], workspace);
         let (dx_s, grads_s, ws_s) = (
             &mut dx.as_flattened_mut()[..rows * d],
             &mut grads.as_flattened_mut()[..2 * d],
@@ -208,7 +211,8 @@ fn bits(v: &[f32]) -> Vec<u32> {
 fn check(op: Op, split: &BatchSplit) {
     let (rows, d) = (split.rows(), split.d());
     let (x, dy) = (random(1, rows * d), random(2, rows * d));
-    let workspace = gradient_workspace_len(Partials::Own, rows, d, op.sums()).unwrap();
+    let workspace =
+        gradient_workspace_len(Partials::Own(ParamGradients::Auto), rows, d, op.sums()).unwrap();
     let (whole_dx, whole) = op.run(&x, &dy, (rows, d), workspace, None);
     for (rank, (dx, grads)) in op
         .ranks(&x, &dy, split, Mode::Exact)
@@ -334,19 +338,23 @@ fn splits_keep_to_group_boundaries() {
 
 #[test]
 fn workspaces_hold_the_batchs_partials_in_exact_mode_and_the_ranks_own_in_fast_mode() {
+    const SYNC: usize = GROUP_SUMS_SYNC_WORDS;
     let split = BatchSplit::even(16384, 4096, 2).unwrap();
-    assert_eq!(split.rms_norm_workspace_len(1, Mode::Exact), Ok(512 * 4096));
+    assert_eq!(
+        split.rms_norm_workspace_len(1, Mode::Exact),
+        Ok(SYNC + 512 * 4096)
+    );
     assert_eq!(
         split.layer_norm_workspace_len(0, Mode::Exact),
-        Ok(2 * 512 * 4096)
+        Ok(SYNC + 2 * 512 * 4096)
     );
     // 8192 rows of 4096: 512 groups of 16 rows, and one row of fp32 sums per gradient.
     assert_eq!(
         split.activation_workspace_len(0, Mode::Fast),
-        Ok(513 * 4096)
+        Ok(SYNC + 513 * 4096)
     );
     assert_eq!(
         split.layer_norm_workspace_len(1, Mode::Fast),
-        Ok(2 * 513 * 4096)
+        Ok(SYNC + 2 * 513 * 4096)
     );
 }

@@ -8,7 +8,10 @@ use super::{RowLaunch, check_config, inv, params_f32, stored_f32, stride_in_elem
 use crate::distributed::{Across, launch_backward};
 use crate::error::{Error, Result};
 use crate::executor::{Device, Executor, Launch, optional_input, optional_output};
-use crate::plan::{GradientPlan, Partials, gradient_plan, gradient_workspace_len, packs_fit};
+use crate::plan::{
+    GradientPlan, ParamGradients, Partials, check_gradients, gradient_plan, gradient_workspace_len,
+    packs_fit,
+};
 use crate::tensor::{Buffer, Dtype, Rows, expect_len};
 
 /// The arguments of a norm backward ([`crate::rms_norm::backward`],
@@ -41,8 +44,10 @@ pub struct NormBackward<'a, E: Executor, T: Dtype, H: Dtype = T, W: Dtype = T, G
     /// `d` elements: dβ (LayerNorm only).
     pub dbias: Option<E::Out<'a, G>>,
     /// At least `rms_norm::workspace_len` (`layer_norm::workspace_len`) f32 for the group
-    /// partials of dγ (and dβ).
+    /// partials of dγ (and dβ), **allocated zeroed** ([`ParamGradients`] says why).
     pub workspace: E::Out<'a, f32>,
+    /// How dγ (and dβ) are summed over the rows; the default picks a deterministic way.
+    pub param_gradients: ParamGradients,
     /// As in the forward: used when the statistics are recomputed.
     pub eps: f32,
     /// As in the forward: `dŷ = dy·(γ + offset)`; dγ does not see it.
@@ -73,6 +78,15 @@ impl<'a, E: Executor, T: Dtype, H: Dtype, W: Dtype, G: Dtype> NormBackward<'a, E
             workspace,
             eps: super::DEFAULT_EPS,
             weight_offset: 0.0,
+            param_gradients: ParamGradients::Auto,
+        }
+    }
+
+    /// Sums dγ (and dβ) over the rows as `strategy` says.
+    pub fn param_gradients(self, strategy: ParamGradients) -> Self {
+        NormBackward {
+            param_gradients: strategy,
+            ..self
         }
     }
 
@@ -123,10 +137,10 @@ impl<'a, E: Executor, T: Dtype, H: Dtype, W: Dtype, G: Dtype> NormBackward<'a, E
     }
 }
 
-/// f32 elements of workspace a backward of `norm` over `rows × d` needs: one partial row of dγ
-/// per group of rows, and for LayerNorm as many of dβ.
+/// f32 elements of workspace a backward of `norm` over `rows × d` needs: the single launch's
+/// counters, one partial row of dγ per group of rows, and for LayerNorm as many of dβ.
 pub(crate) fn workspace_len(norm: Norm, rows: usize, d: usize) -> Result<usize> {
-    gradient_workspace_len(Partials::Own, rows, d, sums(norm))
+    gradient_workspace_len(Partials::Own(ParamGradients::Auto), rows, d, sums(norm))
 }
 
 /// The parameter gradients of `norm`'s backward: dγ, and LayerNorm's dβ.
@@ -220,7 +234,20 @@ pub(crate) fn run_across<E: Executor, T: Dtype, H: Dtype, W: Dtype, G: Dtype>(
             }
         }
     }
-    let partials = across.as_ref().map_or(Partials::Own, |a| a.partials);
+    let strategy = args.param_gradients;
+    let partials = match &across {
+        None => Partials::Own(strategy),
+        Some(_) if matches!(strategy, ParamGradients::Auto | ParamGradients::TwoPass) => across
+            .as_ref()
+            .map_or(Partials::Own(strategy), |a| a.partials),
+        Some(_) => {
+            return Err(Error::Argument {
+                what: "param_gradients",
+                problem: "a backward across ranks sums its gradients its own way: leave it Auto",
+            });
+        }
+    };
+    check_gradients(partials, G::KERNEL, T::KERNEL)?;
     let needed = gradient_workspace_len(partials, rows, d, sums(norm))?;
     if args.workspace.elements() < needed {
         return Err(Error::WorkspaceTooSmall {
@@ -289,7 +316,7 @@ pub(crate) struct Plan {
 #[allow(clippy::arithmetic_side_effects)]
 pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
     let (rows, d, dtype) = (call.rows, call.d, call.key.dtype);
-    let gradients = gradient_plan(
+    let mut gradients = gradient_plan(
         device,
         call.partials,
         (rows, d),
@@ -345,21 +372,22 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
             x_f32: call.x_f32 as u32,
             dresidual: call.dresidual.0,
             dresidual_stride: call.dresidual.1 as u64,
+            sums: gradients.group_sums,
         };
-        rows_launch = Some(
-            RowLaunch {
-                table: &BACKWARD,
-                key: NormKey { vec, ..call.key },
-                d,
-                // The backward's parallelism is its dγ groups (at most 8192, 64 at 1024 rows),
-                // and its streaming instance re-reads the partial rows: clusters whenever a row
-                // needs them.
-                work: gradients.groups,
-                clusters: true,
-                params,
-            }
-            .plan(device, |_| false)?,
-        );
+        let mut launch = RowLaunch {
+            table: &BACKWARD,
+            key: NormKey { vec, ..call.key },
+            d,
+            // The backward's parallelism is its dγ groups (at most 8192, 64 at 1024 rows),
+            // and its streaming instance re-reads the partial rows: clusters whenever a row
+            // needs them.
+            work: gradients.groups,
+            clusters: true,
+            params,
+        }
+        .plan(device, |_| false)?;
+        launch.params.sums = gradients.fit(device, &mut launch, gradients.groups)?;
+        rows_launch = Some(launch);
     }
     Ok(Plan {
         rows: rows_launch,
@@ -371,7 +399,7 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
 pub(crate) mod tests {
     use super::*;
     use crate::plan::tests::FakeH200;
-    use normkern_gpu::column_sum::{COLUMN_SUM_THREADS, group_layout};
+    use normkern_gpu::column_sum::{COLUMN_SUM_THREADS, GROUP_SUMS_SHARED_WORDS, group_layout};
     use normkern_gpu::kernel::Kernel;
     use normkern_gpu::reduce::ROW_REDUCER_SHARED_WORDS;
 
@@ -421,7 +449,7 @@ pub(crate) mod tests {
             params_f32: false,
             x_f32: false,
             grad_dtype: KernelDtype::Bf16,
-            partials: Partials::Own,
+            partials: Partials::Own(ParamGradients::TwoPass),
         }
     }
 
@@ -437,17 +465,57 @@ pub(crate) mod tests {
         assert_eq!((rows.params.groups, rows.params.rows_per_group), (512, 32));
         assert_eq!(rows.grid, 256);
         // dγ's column sum: 128 slabs of 32 columns, one column per thread at this width.
-        assert_eq!(plan.gradients.sums.kernel.name, "column_sum_bf16");
         assert_eq!(
-            (plan.gradients.sums.block, plan.gradients.sums.grid),
+            plan.gradients.sums.as_ref().unwrap().kernel.name,
+            "column_sum_bf16"
+        );
+        assert_eq!(
+            (
+                plan.gradients.sums.as_ref().unwrap().block,
+                plan.gradients.sums.as_ref().unwrap().grid
+            ),
             (COLUMN_SUM_THREADS, 128)
         );
         assert_eq!(
             (
-                plan.gradients.sums.params.columns,
-                plan.gradients.sums.params.partials2
+                plan.gradients.sums.as_ref().unwrap().params.columns,
+                plan.gradients.sums.as_ref().unwrap().params.partials2
             ),
             (1, 0)
+        );
+    }
+
+    #[test]
+    fn the_single_launch_sums_in_the_row_kernel_on_a_resident_grid() {
+        let mut c = call(Norm::Layer, 64, 4096);
+        c.partials = Partials::Own(ParamGradients::Auto);
+        let plan = plan(&c, &H200).unwrap();
+        let rows = plan.rows.unwrap();
+        assert!(plan.gradients.sums.is_none() && rows.cooperative);
+        assert_eq!(
+            rows.params.sums.mode,
+            normkern_gpu::column_sum::GROUP_SUMS_IN_LAUNCH
+        );
+        // The barrier's words first, then dγ's and dβ's partial rows.
+        assert_eq!(rows.params.sums.sync, c.workspace);
+        assert_eq!(rows.params.partials, c.workspace + 16);
+        assert_eq!(
+            (rows.params.sums.out, rows.params.sums.out2),
+            (c.dweight, c.dbias)
+        );
+        let two_pass = self::plan(&call(Norm::Layer, 64, 4096), &H200).unwrap();
+        let (single, two) = (rows.shared_bytes, two_pass.rows.unwrap().shared_bytes);
+        assert_eq!(single, two + GROUP_SUMS_SHARED_WORDS * 4);
+        // 64 groups of one row: 64 blocks, all resident.
+        assert_eq!((rows.params.groups, rows.grid), (64, 64));
+        // Atomics: the gradients themselves take the partial rows, no column sum, no barrier.
+        c.partials = Partials::Own(ParamGradients::Atomic);
+        let plan = self::plan(&c, &H200).unwrap();
+        let rows = plan.rows.unwrap();
+        assert!(plan.gradients.sums.is_none() && !rows.cooperative);
+        assert_eq!(
+            (rows.params.partials, rows.params.dbeta_partials),
+            (c.dweight, c.dbias)
         );
     }
 
@@ -462,8 +530,8 @@ pub(crate) mod tests {
         // 15 groups of 69 rows, one round over 15 clusters.
         assert_eq!((rows.params.groups, rows.grid), (15, 120));
         // dγ and dβ in one column-sum launch, four columns per thread.
-        assert_ne!(plan.gradients.sums.params.partials2, 0);
-        assert_eq!(plan.gradients.sums.params.columns, 4);
+        assert_ne!(plan.gradients.sums.as_ref().unwrap().params.partials2, 0);
+        assert_eq!(plan.gradients.sums.as_ref().unwrap().params.columns, 4);
     }
 
     #[test]
@@ -498,7 +566,7 @@ pub(crate) mod tests {
     fn no_rows_launch_only_the_column_sum_of_zero_groups() {
         let plan = plan(&call(Norm::Layer, 0, 4096), &H200).unwrap();
         assert!(plan.rows.is_none());
-        assert_eq!(plan.gradients.sums.params.groups, 0);
+        assert_eq!(plan.gradients.sums.as_ref().unwrap().params.groups, 0);
     }
 
     #[test]
@@ -608,6 +676,9 @@ pub(crate) mod tests {
         assert_eq!(group_layout(1 << 20, 128), (128, 8192));
         assert_eq!(group_layout(262144, 512), (64, 4096));
         assert_eq!(group_layout(65536, 1024), (128, 512));
-        assert_eq!(workspace_len(Norm::Layer, 16384, 4096), Ok(2 * 512 * 4096));
+        assert_eq!(
+            workspace_len(Norm::Layer, 16384, 4096),
+            Ok(4 + 2 * 512 * 4096)
+        );
     }
 }

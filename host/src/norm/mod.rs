@@ -206,6 +206,7 @@ impl<P: Copy> RowLaunch<P> {
             block: threads,
             cluster,
             shared_bytes,
+            cooperative: false,
             params: self.params,
         })
     }

@@ -3,7 +3,8 @@
 
 use super::functions::{apply_stored, grad_stored};
 use crate::arch;
-use crate::element::{Access, Element, Pack, row_addr, store_f32s};
+use crate::column_sum::{GroupSums, finish_group_sums, store_group_partials};
+use crate::element::{Access, Element, Pack, row_addr};
 
 /// Launch parameters of every activation kernel: up to three row inputs and two row outputs, each
 /// with its own stride (elements), and the dbias group layout. Unused pointers are 0.
@@ -21,12 +22,14 @@ pub struct Params {
     pub outputs: [u64; 2],
     pub input_strides: [u64; 3],
     pub output_strides: [u64; 2],
-    /// `[groups, d]` fp32 dbias partials (`act_bwd_dbias` only).
+    /// `[groups, d]` fp32 dbias partials (`act_bwd_dbias` only; with atomic sums the f32 dbias).
     pub partials: u64,
     pub rows: u32,
     pub d: u32,
     pub rows_per_group: u32,
     pub groups: u32,
+    /// `act_bwd_dbias` only: what becomes of the partial rows ([`GroupSums`]).
+    pub sums: GroupSums,
 }
 
 impl Params {
@@ -202,7 +205,8 @@ const DBIAS_ROWS_IN_FLIGHT: usize = 4;
 /// `rows_per_group` consecutive rows writes one fp32 row of `partials`, summed afterwards by
 /// `crate::reduce::column_sum`. A work item is one group × `block_dim` columns (one access per
 /// thread); blocks take items by grid stride, so the host can launch one block per item. Which
-/// block takes an item never changes the order of any sum.
+/// block takes an item never changes the order of any sum. `p.sums` may have the launch sum the
+/// partial rows itself or add them atomically instead.
 ///
 /// # Safety
 /// As for [`forward`]; `partials` holds `groups · d` f32, 16-byte aligned.
@@ -248,9 +252,11 @@ pub unsafe fn backward_dbias<T: Element, const VEC: bool, const ACT: u32>(p: &Pa
                 }
                 row += DBIAS_ROWS_IN_FLIGHT;
             }
-            unsafe { store_f32s::<VEC>(p.partials + (group * d * 4) as u64, col, &dbias, len) };
+            let at = (group, d);
+            unsafe { store_group_partials::<VEC>(&p.sums, p.partials, at, col, &dbias, len) };
         }
     }
+    unsafe { finish_group_sums::<T>(&p.sums, (p.partials, 0), p.groups as usize, d) };
 }
 
 /// Gated forward: `h = f(a) · b` (SwiGLU with SiLU, GeGLU with either GELU).

@@ -83,14 +83,14 @@ fn wait_until(done: impl Fn() -> bool, stuck: impl Fn() -> String) {
     if done() {
         return;
     }
-    let (tid, rank, yielder) = with_ctx(|c| (c.tid, c.rank, c.yielder));
+    let (tid, rank, yielder, cluster) = with_ctx(|c| (c.tid, c.rank, c.yielder, c.cluster.clone()));
     // The first hand-over says `Ran`: this thread may have changed shared state since it was
     // resumed. Later ones only re-checked, which the scheduler's stuck test relies on.
     let mut how = Yield::Ran;
     loop {
         // SAFETY: the yielder lives on this coroutine's stack, which is running.
         let resume = unsafe { &*yielder }.suspend(how);
-        enter(tid, rank, yielder);
+        enter(tid, rank, yielder, &cluster);
         if resume == Resume::Stuck {
             panic!("{}", stuck());
         }
@@ -204,14 +204,18 @@ std::thread_local! {
     static CTX: RefCell<Option<ThreadCtx>> = const { RefCell::new(None) };
 }
 
-/// Makes thread `tid` of block `rank` the current one (each coroutine does on every resume).
-fn enter(tid: usize, rank: usize, yielder: *const ThreadYielder) {
+/// Makes thread `tid` of block `rank` of `cluster` the current one (each coroutine does on every
+/// resume).
+fn enter(tid: usize, rank: usize, yielder: *const ThreadYielder, cluster: &Rc<Cluster>) {
     CTX.with(|c| {
         let mut c = c.borrow_mut();
         let c = c
             .as_mut()
             .expect("an emulated thread runs inside its launch");
         (c.tid, c.rank, c.yielder) = (tid, rank, yielder);
+        if !Rc::ptr_eq(&c.cluster, cluster) {
+            c.cluster = cluster.clone();
+        }
     })
 }
 
@@ -508,36 +512,47 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a thread panicked".to_string())
 }
 
-/// Runs every thread of `cluster` to its end, each a coroutine resumed round-robin until it
-/// waits. A round in which every unfinished thread only found its wait still unsatisfied changed
-/// nothing, so nothing ever will: the first of them reports what it waits for.
-fn run_cluster(cluster: Rc<Cluster>, block: usize, body: &(dyn Fn() + Sync)) -> Result<(), String> {
-    let threads = cluster.blocks.len() * block;
+/// Runs every thread of `clusters` (one cluster, or the whole grid of a cooperative launch) to
+/// its end, each a coroutine resumed round-robin until it waits. A round in which every
+/// unfinished thread only found its wait still unsatisfied changed nothing, so nothing ever will:
+/// the first of them reports what it waits for.
+fn run_clusters(
+    clusters: &[Rc<Cluster>],
+    block: usize,
+    body: &(dyn Fn() + Sync),
+) -> Result<(), String> {
+    let Some(first) = clusters.first() else {
+        return Ok(());
+    };
+    let threads: usize = clusters.iter().map(|c| c.blocks.len() * block).sum();
     CTX.with(|c| {
         *c.borrow_mut() = Some(ThreadCtx {
             tid: 0,
             rank: 0,
             yielder: core::ptr::null(),
-            cluster,
+            cluster: first.clone(),
         })
     });
     let _leave = LeaveCluster;
     let mut running: Vec<Option<Thread>> = Vec::with_capacity(threads);
-    for t in 0..threads {
-        let stack = match STACKS.with(|s| s.borrow_mut().pop()) {
-            Some(stack) => stack,
-            None => DefaultStack::new(THREAD_STACK_BYTES).map_err(|e| {
-                std::format!("could not allocate the stack of thread {t} of {threads} ({e})")
-            })?,
-        };
-        let (rank, tid) = (t / block, t % block);
-        let start = move |yielder: &ThreadYielder, _: Resume| {
-            enter(tid, rank, yielder);
-            body();
-        };
-        // SAFETY: `body` outlives every coroutine: each is run to its end or dropped (which
-        // unwinds it) before this function returns.
-        running.push(Some(unsafe { Thread::with_stack_unchecked(stack, start) }));
+    for cluster in clusters {
+        for t in 0..cluster.blocks.len() * block {
+            let stack = match STACKS.with(|s| s.borrow_mut().pop()) {
+                Some(stack) => stack,
+                None => DefaultStack::new(THREAD_STACK_BYTES).map_err(|e| {
+                    std::format!("could not allocate the stack of thread {t} of {threads} ({e})")
+                })?,
+            };
+            let (rank, tid) = (t / block, t % block);
+            let cluster = cluster.clone();
+            let start = move |yielder: &ThreadYielder, _: Resume| {
+                enter(tid, rank, yielder, &cluster);
+                body();
+            };
+            // SAFETY: `body` outlives every coroutine: each is run to its end or dropped (which
+            // unwinds it) before this function returns.
+            running.push(Some(unsafe { Thread::with_stack_unchecked(stack, start) }));
+        }
     }
     let mut unfinished = threads;
     while unfinished > 0 {
@@ -584,13 +599,14 @@ fn run_cluster(cluster: Rc<Cluster>, block: usize, body: &(dyn Fn() + Sync)) -> 
 
 /// Runs `body` as kernel `kernel` over `grid` blocks of `block` threads, in clusters of `cluster`
 /// blocks, with `shared_bytes` of dynamic shared memory per block. Clusters run one after another
-/// on the calling OS thread; the threads of a cluster take turns at their waits.
+/// on the calling OS thread, the threads of a cluster taking turns at their waits; a
+/// `cooperative` launch runs every block at once instead (its blocks may wait for each other at
+/// [`grid_barrier`], as on the GPU, where all of them are resident).
 pub fn launch(
     kernel: &str,
-    grid: usize,
-    block: usize,
-    cluster: usize,
+    (grid, block, cluster): (usize, usize, usize),
     shared_bytes: usize,
+    cooperative: bool,
     body: &(dyn Fn() + Sync),
 ) -> Result<(), EmuError> {
     let fail = |message: String| EmuError {
@@ -608,7 +624,7 @@ pub fn launch(
         )));
     }
     let count = grid / cluster;
-    for idx in 0..count {
+    let make = |idx: usize| {
         let warps = block.div_ceil(WARP);
         let blocks = (0..cluster)
             .map(|rank| Block {
@@ -625,14 +641,87 @@ pub fn launch(
                 mbarriers: RefCell::new(BTreeMap::new()),
             })
             .collect();
-        let shared = Rc::new(Cluster {
+        Rc::new(Cluster {
             idx,
             count,
             blocks,
             barrier: Barrier::new(cluster * block),
-        });
-        run_cluster(shared, block, body)
+        })
+    };
+    if cooperative {
+        let clusters: Vec<_> = (0..count).map(make).collect();
+        return run_clusters(&clusters, block, body)
+            .map_err(|msg| fail(std::format!("cooperative grid: {msg}")));
+    }
+    for idx in 0..count {
+        run_clusters(&[make(idx)], block, body)
             .map_err(|msg| fail(std::format!("cluster {idx}: {msg}")))?;
     }
     Ok(())
+}
+
+/// The emulator's [`crate::arch`] grid barrier: every block of a cooperative launch waits here
+/// until all have arrived (see the nvptx one for the two words at `sync`). An arrival count of
+/// the grid's size or more (words not zeroed) panics, as the GPU traps.
+///
+/// # Safety
+/// `sync` is an 8-byte-aligned address of two live words no other launch uses meanwhile.
+pub unsafe fn grid_barrier(sync: u64) {
+    sync_threads();
+    if thread_idx() == 0 {
+        // SAFETY: as the caller promises.
+        let (arrivals, generation) = unsafe {
+            (
+                &*(sync as *const AtomicU32),
+                &*((sync + 4) as *const AtomicU32),
+            )
+        };
+        let seen = generation.load(Ordering::SeqCst);
+        let arrived = arrivals.fetch_add(1, Ordering::SeqCst) as usize;
+        let blocks = grid_dim();
+        if arrived >= blocks {
+            panic!(
+                "grid barrier: {arrived} arrivals counted before this one in a grid of {blocks} \
+                 blocks (its words were not zero)"
+            );
+        }
+        if arrived + 1 == blocks {
+            arrivals.store(0, Ordering::SeqCst);
+            generation.store(seen.wrapping_add(1), Ordering::SeqCst);
+        } else {
+            wait_until(
+                || generation.load(Ordering::SeqCst) != seen,
+                || {
+                    std::format!(
+                        "a grid barrier that not all {blocks} blocks reach (a launch that is not \
+                         cooperative?)"
+                    )
+                },
+            );
+        }
+    }
+    sync_threads();
+}
+
+/// Adds `v` to the f32 at `p` atomically.
+///
+/// # Safety
+/// `p` is a 4-byte-aligned address of a live f32.
+pub unsafe fn atomic_add_f32(p: u64, v: f32) {
+    // SAFETY: as the caller promises.
+    let word = unsafe { &*(p as *const AtomicU32) };
+    let mut old = word.load(Ordering::SeqCst);
+    while let Err(seen) = word.compare_exchange_weak(
+        old,
+        (f32::from_bits(old) + v).to_bits(),
+        Ordering::SeqCst,
+        Ordering::SeqCst,
+    ) {
+        old = seen;
+    }
+}
+
+/// Words of the launch's dynamic shared memory.
+pub fn dynamic_shared_words() -> usize {
+    with_ctx(|c| c.block().shared.len())
 }

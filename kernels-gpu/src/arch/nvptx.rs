@@ -535,3 +535,92 @@ pub fn fma(a: f32, b: f32, c: f32) -> f32 {
     }
     f32::from_bits(r)
 }
+
+/// Polls of a grid barrier's generation word, about 64 ns apart, before it gives up (~9 s): a
+/// grid that cannot all be resident, or a barrier word someone else wrote, traps rather than
+/// hangs.
+const GRID_BARRIER_POLLS: u32 = 1 << 27;
+
+/// Waits until every block of the grid has reached it; every block's stores before it are
+/// visible to every block after it. The grid must be co-resident (a cooperative launch). `sync`
+/// is the global address of two u32 words: the arrivals, 0 between barriers (the last block to
+/// arrive puts it back), and a generation the last block advances. An arrival count of the
+/// grid's size or more means the words were not zeroed: trap.
+///
+/// # Safety
+/// `sync` is an 8-byte-aligned global address that no other launch uses at the same time; every
+/// thread of every block of the grid calls this.
+#[inline(always)]
+pub unsafe fn grid_barrier(sync: u64) {
+    sync_threads();
+    if thread_idx() == 0 {
+        unsafe {
+            let generation = sync + 4;
+            let seen: u32;
+            asm!("ld.relaxed.gpu.global.u32 {v}, [{p}];", v = out(reg32) seen,
+                p = in(reg64) generation, options(nostack, preserves_flags));
+            // Releases the block's stores (ordered before this thread's by `bar.sync`).
+            let arrived: u32;
+            asm!("atom.add.acq_rel.gpu.global.u32 {old}, [{p}], 1;", old = out(reg32) arrived,
+                p = in(reg64) sync, options(nostack, preserves_flags));
+            let blocks = grid_dim() as u32;
+            if arrived >= blocks {
+                nvptx::trap();
+            }
+            if arrived + 1 == blocks {
+                asm!("st.relaxed.gpu.global.u32 [{p}], 0;", p = in(reg64) sync,
+                    options(nostack, preserves_flags));
+                asm!("st.release.gpu.global.u32 [{p}], {v};", p = in(reg64) generation,
+                    v = in(reg32) seen.wrapping_add(1), options(nostack, preserves_flags));
+            } else {
+                let mut polls = 0u32;
+                loop {
+                    let now: u32;
+                    asm!("ld.acquire.gpu.global.u32 {v}, [{p}];", v = out(reg32) now,
+                        p = in(reg64) generation, options(nostack, preserves_flags));
+                    if now != seen {
+                        break;
+                    }
+                    polls += 1;
+                    if polls == GRID_BARRIER_POLLS {
+                        nvptx::trap();
+                    }
+                    asm!("nanosleep.u32 64;", options(nostack, preserves_flags));
+                }
+            }
+            asm!("fence.acq_rel.gpu;", options(nostack, preserves_flags));
+        }
+    }
+    sync_threads();
+}
+
+/// `red.relaxed.gpu.global.add.f32`: adds `v` to the global f32 at `p`, in whatever order the
+/// adds of other threads land.
+///
+/// # Safety
+/// `p` is a 4-byte-aligned global address.
+#[inline(always)]
+pub unsafe fn atomic_add_f32(p: u64, v: f32) {
+    unsafe {
+        asm!(
+            "red.relaxed.gpu.global.add.f32 [{p}], {v};",
+            p = in(reg64) p,
+            v = in(reg32) v.to_bits(),
+            options(nostack, preserves_flags)
+        );
+    }
+}
+
+/// Words of the launch's dynamic shared memory (`%dynamic_smem_size` / 4).
+#[inline(always)]
+pub fn dynamic_shared_words() -> usize {
+    let bytes: u32;
+    unsafe {
+        asm!(
+            "mov.u32 {b}, %dynamic_smem_size;",
+            b = out(reg32) bytes,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+    }
+    bytes as usize / 4
+}

@@ -8,11 +8,13 @@ use super::rows::{Plain, ResidualBackward, RowSource, param, row_stats_stream};
 use super::staged::backward_staged;
 use super::tile::BackwardTile;
 use crate::arch;
-use crate::element::{Access, Element, load_f32s, row_addr, store_f32s};
+use crate::column_sum::{GROUP_SUMS_ATOMIC, finish_group_sums, store_group_partials};
+use crate::element::{Access, Element, load_f32s, row_addr};
 use crate::reduce::{PendingSums, RowReducer, Team};
 
 /// The backward: dx, and one dγ (and dβ) partial row per group; launch any grid (blocks walk
-/// groups by grid stride), then [`crate::column_sum`] over the partials.
+/// groups by grid stride), then [`crate::column_sum`] over the partials, or have this launch sum
+/// them or add them atomically (`p.sums`, [`crate::column_sum::GroupSums`]).
 ///
 /// # Safety
 /// As for `forward`; each partials buffer holds `groups · d` f32, 16-byte aligned.
@@ -44,6 +46,8 @@ pub unsafe fn backward<
         }
     }
     team.finish();
+    let partials = (p.partials, p.dbeta_partials);
+    unsafe { finish_group_sums::<T>(&p.sums, partials, p.groups as usize, p.d as usize) };
 }
 
 /// Pass 1 of the backward over some elements of a row: `Σ dŷ` and `Σ dŷ·(x−μ)`, the second to be
@@ -213,6 +217,7 @@ pub(super) unsafe fn backward_stream<
     let d = p.d as usize;
     let accesses = d.div_ceil(len);
     let with_dbeta = N::CENTERED && p.dbeta_partials != 0;
+    let atomic = p.sums.mode == GROUP_SUMS_ATOMIC;
     let rows = p.rows as usize;
     let mut group = first;
     while group < p.groups as usize {
@@ -261,7 +266,8 @@ pub(super) unsafe fn backward_stream<
                 let extra = unsafe { src.load_extra(&src_row, a * len) };
                 let dy = unsafe { Access::<T, VEC>::load(dy_row, a * len) };
                 let g = unsafe { param::<T, VEC>(p.gamma, a * len, p.params_f32, p.gamma_offset) };
-                let (mut dgamma, mut dbeta) = if row == first {
+                // Atomic sums add every row's contribution: there is no partial row to re-read.
+                let (mut dgamma, mut dbeta) = if row == first || atomic {
                     ([0.0f32; 8], [0.0f32; 8])
                 } else {
                     let dbeta = if with_dbeta {
@@ -283,9 +289,13 @@ pub(super) unsafe fn backward_stream<
                     dbeta[i] += dy_i;
                 }
                 unsafe { Access::<T, VEC>::store(dx_row, a * len, &T::pack(&dx, len)) };
-                unsafe { store_f32s::<VEC>(p.partials + offset, a * len, &dgamma, len) };
+                let (sums, at) = (&p.sums, (group, d));
+                unsafe { store_group_partials::<VEC>(sums, p.partials, at, a * len, &dgamma, len) };
                 if with_dbeta {
-                    unsafe { store_f32s::<VEC>(p.dbeta_partials + offset, a * len, &dbeta, len) };
+                    let dbeta = &dbeta;
+                    unsafe {
+                        store_group_partials::<VEC>(sums, p.dbeta_partials, at, a * len, dbeta, len)
+                    };
                 }
                 a += threads;
             }

@@ -1,5 +1,7 @@
 //! Launch parameters of the norm kernels: one `#[repr(C)]` block passed by value.
 
+use crate::column_sum::GroupSums;
+
 /// Launch parameters of the forward. Row strides are in elements; a statistic pointer of 0 skips
 /// saving it, a `beta` of 0 means no bias (LayerNorm only; RMSNorm ignores `beta` and `mean`).
 #[repr(C)]
@@ -69,4 +71,7 @@ pub struct BackwardParams {
     /// dx; 0 for none.
     pub dresidual: u64,
     pub dresidual_stride: u64,
+    /// What becomes of the partial rows: a column sum after this launch, the sums in this
+    /// launch, or atomic adds (then `partials`/`dbeta_partials` are the f32 dγ/dβ themselves).
+    pub sums: GroupSums,
 }

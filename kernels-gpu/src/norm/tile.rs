@@ -7,7 +7,8 @@ use super::params::BackwardParams;
 use super::policy::gamma_in_shared;
 use super::rows::{RowSource, param, row_stats_regs};
 use crate::arch;
-use crate::element::{Access, Element, Pack, row_addr, store_f32s};
+use crate::column_sum::store_group_partials;
+use crate::element::{Access, Element, Pack, row_addr};
 use crate::reduce::{PendingSums, ROW_REDUCER_SHARED_WORDS, RowReducer, Team};
 
 /// This thread's γ in shared memory ([`gamma_in_shared`]): 8 words per access, as two 16-byte
@@ -276,7 +277,8 @@ impl<T: Element, const VEC: bool, const VPT: usize, N: Normalization, S: RowSour
         }
     }
 
-    /// Writes a group's dγ (and dβ) partials: row `group` of each workspace.
+    /// Writes a group's dγ (and dβ) partials: row `group` of each workspace (or adds them into
+    /// the f32 gradients, with atomic sums).
     ///
     /// # Safety
     /// `group` is below the launch's `groups`.
@@ -288,14 +290,16 @@ impl<T: Element, const VEC: bool, const VPT: usize, N: Normalization, S: RowSour
         dbeta: &[[f32; 8]; VPT],
     ) {
         let p = self.p;
-        let offset = (group * self.d * 4) as u64;
+        let at = (group, self.d);
         for k in 0..VPT {
             if self.elem(k) < self.d {
                 let elem = self.elem(k);
-                unsafe { store_f32s::<VEC>(p.partials + offset, elem, &dgamma[k], Self::LEN) };
+                let (sums, len) = (&p.sums, Self::LEN);
+                unsafe { store_group_partials::<VEC>(sums, p.partials, at, elem, &dgamma[k], len) };
                 if self.with_dbeta() {
+                    let dbeta = &dbeta[k];
                     unsafe {
-                        store_f32s::<VEC>(p.dbeta_partials + offset, elem, &dbeta[k], Self::LEN)
+                        store_group_partials::<VEC>(sums, p.dbeta_partials, at, elem, dbeta, len)
                     };
                 }
             }

@@ -126,7 +126,9 @@ impl<'b, B: Backend> Run<'b, B> {
             dx: poison(rows * d).into(),
             dweight: poison(d).into(),
             rstd: backend.upload(&vec![f32::NAN; rows]).into(),
-            workspace: backend.upload(&vec![f32::NAN; ws_len]).into(),
+            workspace: backend
+                .upload(&normkern_tests::poisoned_workspace(ws_len))
+                .into(),
             host,
         }
     }

@@ -2,8 +2,10 @@
 //! checked against the f64 reference; and what every test of this target shares with it.
 
 use normkern::{
-    Dtype, Emulator, Executor, NormBackward, NormForward, Result, Rows, layer_norm, rms_norm,
+    Dtype, Emulator, Executor, NormBackward, NormForward, ParamGradients, Result, Rows, layer_norm,
+    rms_norm,
 };
+use normkern_gpu::column_sum::GROUP_SUMS_SYNC_WORDS;
 use normkern_tests::backend::{Backend, Host};
 use normkern_tests::reference::{layer_norm as layer_reference, rms_norm as rms_reference};
 use normkern_tests::{
@@ -174,6 +176,8 @@ pub struct Case<T, W = T> {
     pub weight_offset: f32,
     /// The backward recomputes the statistics instead of reading the forward's.
     pub recompute: bool,
+    /// How the backward sums dweight and dbias over rows.
+    pub param_grads: ParamGradients,
 }
 
 /// What a run produced, outputs in their padded buffers, which start as poison; what a norm does
@@ -213,6 +217,7 @@ impl<T: TestDtype, W: TestDtype> Case<T, W> {
             bias: rng.vec(d, -0.5, 0.5),
             weight_offset: 0.0,
             recompute: false,
+            param_grads: ParamGradients::Auto,
         }
     }
 
@@ -238,22 +243,26 @@ impl<T: TestDtype, W: TestDtype> Case<T, W> {
             offset,
         } = self.layout;
         format!(
-            "{:?} {rows}×{d} stride {stride} offset {offset} {} (parameters {})",
+            "{:?} {rows}×{d} stride {stride} offset {offset} {} (parameters {}) {:?}",
             self.kind,
             T::NAME,
-            W::NAME
+            W::NAME,
+            self.param_grads
         )
     }
 
     fn poisoned(&self) -> Outputs<T, W> {
         let (n, rows, d) = (self.layout.len(), self.layout.rows, self.layout.d);
+        // Atomics add into the gradients: they start at zero (dβ only where there is one).
+        let atomic = self.param_grads == ParamGradients::Atomic;
+        let zero_or_poison = |zero| vec![if zero { W::from_f64(0.0) } else { W::poison() }; d];
         Outputs {
             y: vec![T::poison(); n],
             mean: vec![f32::NAN; rows],
             rstd: vec![f32::NAN; rows],
             dx: vec![T::poison(); n],
-            dweight: vec![W::poison(); d],
-            dbias: vec![W::poison(); d],
+            dweight: zero_or_poison(atomic),
+            dbias: zero_or_poison(atomic && self.kind == Kind::Layer { bias: true }),
         }
     }
 
@@ -272,7 +281,7 @@ impl<T: TestDtype, W: TestDtype> Case<T, W> {
         let mut dweight = backend.upload(&poison.dweight);
         let mut dbias = backend.upload(&poison.dbias);
         let workspace_len = self.kind.workspace_len(layout.rows, layout.d);
-        let mut workspace = backend.upload(&vec![f32::NAN; workspace_len]);
+        let mut workspace = backend.upload(&normkern_tests::poisoned_workspace(workspace_len));
 
         let forward = NormForward::new(
             layout.input::<B, _>(&x),
@@ -298,7 +307,8 @@ impl<T: TestDtype, W: TestDtype> Case<T, W> {
             B::output(&mut workspace, 0),
         )
         .eps(EPS)
-        .weight_offset(self.weight_offset);
+        .weight_offset(self.weight_offset)
+        .param_gradients(self.param_grads);
         let backward = self.kind.backward_args(
             backward,
             self.recompute,
@@ -306,6 +316,12 @@ impl<T: TestDtype, W: TestDtype> Case<T, W> {
             B::output(&mut dbias, 0),
         );
         self.kind.backward(exec, backward).unwrap();
+        let sync = &backend.download(&workspace)[..GROUP_SUMS_SYNC_WORDS.min(workspace_len)];
+        assert!(
+            sync.iter().step_by(2).all(|c| c.to_bits() == 0),
+            "{}: the backward left its barrier's arrivals at {sync:?}",
+            self.describe()
+        );
 
         Outputs {
             y: backend.download(&y),

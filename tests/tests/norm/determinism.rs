@@ -96,7 +96,7 @@ fn gpu_cubin_and_ptx_give_the_same_bits() {
 
 /// The forward and backward over no rows write no y and no dx (x's buffer holds one row's worth,
 /// all outside the zero rows), and set dweight (and dbias) to zero, given a workspace of exactly
-/// `workspace_len(0, d)` elements: none (on the GPU, an allocation at address 0).
+/// `workspace_len(0, d)` elements: only the single launch's barrier words.
 fn zero_rows_write_nothing_and_zero_parameter_gradients<B: Backend>(backend: &B) {
     let mut rng = Rng::fresh(&format!("{}_zero_rows", backend.name()));
     for kind in [Kind::Rms, Kind::Layer { bias: true }] {
@@ -143,8 +143,13 @@ fn workspace_and_groups_depend_on_the_shape_only() {
                 512
             };
             assert!(groups <= most, "rows {rows}, d {d}: {groups} groups");
-            assert_eq!(rms_norm::workspace_len(rows, d), Ok(groups * d));
-            assert_eq!(layer_norm::workspace_len(rows, d), Ok(2 * groups * d));
+            // The single launch's barrier words, then the partial rows.
+            let sync = normkern_gpu::column_sum::GROUP_SUMS_SYNC_WORDS;
+            assert_eq!(rms_norm::workspace_len(rows, d), Ok(sync + groups * d));
+            assert_eq!(
+                layer_norm::workspace_len(rows, d),
+                Ok(sync + 2 * groups * d)
+            );
             if d > 32768 {
                 // Against groups of at least 16 rows (the layout of narrower rows past small
                 // batches).

@@ -7,6 +7,7 @@ mod case;
 mod determinism;
 mod kernels;
 mod mixed_precision;
+mod param_grads;
 mod reference;
 mod residual;
 mod special_values;

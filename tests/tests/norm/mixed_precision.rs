@@ -88,7 +88,9 @@ fn unsupported_dtype_combinations_are_rejected<B: Backend>(backend: &B) {
     let mut y = backend.upload(&vec![bf16::poison(); rows * d]);
     let mut dx = backend.upload(&vec![bf16::poison(); rows * d]);
     let mut dweight_bf16 = backend.upload(&vec![bf16::poison(); d]);
-    let mut workspace = backend.upload(&vec![f32::NAN; rms_norm::workspace_len(rows, d).unwrap()]);
+    let mut workspace = backend.upload(&normkern_tests::poisoned_workspace(
+        rms_norm::workspace_len(rows, d).unwrap(),
+    ));
     let x_rows = || Rows::new(B::input(&x, 0), rows, d).unwrap();
     let r = rms_norm::forward(
         exec,

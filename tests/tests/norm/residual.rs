@@ -104,7 +104,7 @@ impl<T: TestDtype, R: TestDtype, H: TestDtype> ResidualCase<T, R, H> {
         let mut dweight = backend.upload(&poison.dweight);
         let mut dbias = backend.upload(&poison.dbias);
         let workspace_len = self.kind.workspace_len(self.rows, self.d);
-        let mut workspace = backend.upload(&vec![f32::NAN; workspace_len]);
+        let mut workspace = backend.upload(&normkern_tests::poisoned_workspace(workspace_len));
 
         let forward = NormForward::new(
             act.input::<B, _>(&x),
@@ -414,7 +414,7 @@ fn residual_bad_arguments_are_rejected<B: Backend>(backend: &B) {
     let mut dx = backend.upload(&vec![bf16::poison(); rows * d]);
     let mut dweight = backend.upload(&vec![bf16::poison(); d]);
     let workspace_len = layer_norm::workspace_len(rows, d).unwrap();
-    let mut workspace = backend.upload(&vec![f32::NAN; workspace_len]);
+    let mut workspace = backend.upload(&normkern_tests::poisoned_workspace(workspace_len));
 
     let r = rms_norm::forward(
         exec,

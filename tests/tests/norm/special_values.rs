@@ -148,6 +148,7 @@ impl<T: TestDtype> Problem<T> {
                 bias: c.bias.clone(),
                 weight_offset: c.weight_offset,
                 recompute: c.recompute,
+                param_grads: c.param_grads,
             },
             residual: self.residual.clone(),
         }
@@ -214,7 +215,9 @@ impl<T: TestDtype> Problem<T> {
         let [mut y, mut h, mut dx] = [0; 3].map(|_| backend.upload(&vec![T::poison(); n]));
         let [mut mean, mut rstd] = [0; 2].map(|_| backend.upload(&vec![f32::NAN; rows]));
         let [mut dweight, mut dbias] = [0; 2].map(|_| backend.upload(&vec![T::poison(); d]));
-        let mut workspace = backend.upload(&vec![f32::NAN; kind.workspace_len(rows, d)]);
+        let mut workspace = backend.upload(&normkern_tests::poisoned_workspace(
+            kind.workspace_len(rows, d),
+        ));
 
         let forward = NormForward::new(
             layout.input::<B, _>(&x),

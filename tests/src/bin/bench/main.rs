@@ -1,13 +1,15 @@
 //! normkern's benchmark: every op against the device's copy bandwidth, measured in the same run.
 //!
-//! `cargo xtask bench [--reps N] [--warmup N] [--quick] [--shapes RxD,...] [--untracked]`, or `./bench` in a
-//! bundle. Times are medians of CUDA event timings after warm-up; inputs rotate over enough sets
+//! `cargo xtask bench [--reps N] [--warmup N] [--quick] [--shapes RxD,...] [--untracked]
+//! [--param-grads]`, or `./bench` in a bundle (`--param-grads`: only the small-batch latency and
+//! parameter-gradient strategy tables). Times are medians of CUDA event timings after warm-up; inputs rotate over enough sets
 //! to exceed L2; bytes count the minimal traffic (each input read once, each output written
 //! once). "host µs per call" is the median CPU time of the call itself (validation, launch plan,
 //! enqueueing).
 
 mod activation;
 mod norm;
+mod param_grads;
 
 use normkern::Context;
 use normkern_tests::bench::{Timing, copy_bandwidth, launch_floor_us};
@@ -64,7 +66,8 @@ fn main() {
     };
     // `--untracked`: cudarc's event tracking off (as for CUDA graphs), so "host µs per call" is
     // normkern's own cost without cudarc's per-buffer event waits and records.
-    if args.iter().any(|a| a == "--untracked") {
+    let param_grads = args.iter().any(|a| a == "--param-grads");
+    if param_grads || args.iter().any(|a| a == "--untracked") {
         // SAFETY: every buffer of the bench lives on its one stream.
         unsafe { ctx.cuda().disable_event_tracking() };
         println!("cudarc event tracking: off");
@@ -73,6 +76,13 @@ fn main() {
     let name = ctx.cuda().name().unwrap_or_default();
     let copy = copy_bandwidth(ctx.cuda(), &stream, 50);
     let launch_floor = launch_floor_us(ctx.cuda(), &stream, 1000);
+    if param_grads {
+        println!(
+            "device: {name}; copy bandwidth {copy:.0} GB/s; launch floor {launch_floor:.1} host µs"
+        );
+        param_grads::run(&ctx, &stream, copy);
+        return;
+    }
     let mut results = Vec::new();
     results.extend(norm::run(&ctx, &stream, &settings));
     if settings.shapes.is_none() {
