@@ -283,7 +283,8 @@ pub(crate) fn column_sum(
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum ParamGradients {
     /// normkern's choice for the shape among the deterministic strategies (so the choice never
-    /// changes a result): [`Self::SingleLaunch`] where it can run, else [`Self::TwoPass`].
+    /// changes a result): [`Self::SingleLaunch`] for calls of up to 2²² elements (`rows × d`),
+    /// where launches are most of the time, [`Self::TwoPass`] for larger ones.
     #[default]
     Auto,
     /// Each group of rows writes an fp32 partial row into the workspace; a second kernel sums the
@@ -342,9 +343,17 @@ pub(crate) struct GradientPlan {
     /// Fast mode: the fp32 sums `sums` wrote (address, elements), to be summed over the ranks,
     /// and the cast of them into the outputs.
     pub cast: Option<(u64, usize, Launch<Dtype, ColumnSumParams>)>,
-    /// The strategy asked for (`Auto` may still fall back to two launches: [`Self::fit`]).
+    /// The strategy asked for, resolved by [`Self::fit`].
     strategy: ParamGradients,
+    /// `rows × d` of the call.
+    elements: usize,
 }
+
+/// Most elements (`rows × d`) of a call for which [`ParamGradients::Auto`] picks the single
+/// launch. Larger calls keep two launches: their time is bandwidth, not launches, and a row
+/// kernel's blocks sum the partial rows more slowly than the column-sum kernel's where rows are
+/// narrow (one-warp blocks walking thousands of groups) or very wide (`bench-results/h200.md`).
+const AUTO_SINGLE_LAUNCH_MAX_ELEMS: usize = 1 << 22;
 
 /// f32 elements of workspace for `sums` (1 or 2) parameter gradients of `d` elements over `rows`
 /// rows laid out as `partials` says: the single launch's barrier words, then the partial rows
@@ -439,6 +448,7 @@ pub(crate) fn gradient_plan(
             sums: None,
             cast: None,
             strategy,
+            elements: rows.saturating_mul(d),
         });
     }
     let mut gradient = GradientPlan {
@@ -461,6 +471,7 @@ pub(crate) fn gradient_plan(
         )?),
         cast: None,
         strategy,
+        elements: rows.saturating_mul(d),
     };
     match partials {
         Partials::Own(_) => {}
@@ -487,8 +498,9 @@ pub(crate) fn gradient_plan(
 impl GradientPlan {
     /// Fits the row kernel's launch (`rows`, a persistent grid over `work` items) to the
     /// strategy and returns what its parameters' `sums` must say. The single launch takes
-    /// [`GROUP_SUMS_SHARED_WORDS`] more shared memory, a grid that is resident all at once and a
-    /// cooperative launch, and drops the column sums; where the kernel has no room for that
+    /// [`GROUP_SUMS_SHARED_WORDS`] more shared memory, a grid that is resident all at once (and
+    /// has a block for each slab of the sums, up to that: blocks without rows wait at the barrier
+    /// and sum), a cooperative launch, and drops the column sums; where the kernel has no room for that
     /// shared memory, `Auto` keeps two launches and a forced single launch is refused.
     pub(crate) fn fit<K, P>(
         &mut self,
@@ -499,17 +511,18 @@ impl GradientPlan {
         let single = match self.strategy {
             ParamGradients::Atomic => return Ok(self.group_sums),
             ParamGradients::TwoPass => false,
-            ParamGradients::Auto | ParamGradients::SingleLaunch => true,
+            ParamGradients::Auto => self.elements <= AUTO_SINGLE_LAUNCH_MAX_ELEMS,
+            ParamGradients::SingleLaunch => true,
         };
+        if !single {
+            return Ok(self.group_sums);
+        }
         let shared_bytes = rows.shared_bytes + GROUP_SUMS_SHARED_WORDS * 4;
         let limit = if rows.kernel.large_shared {
             device.shared_opt_in()
         } else {
             DEFAULT_SHARED_BYTES
         };
-        if !single || self.gather.is_some() || self.cast.is_some() {
-            return Ok(self.group_sums);
-        }
         if shared_bytes > limit {
             if self.strategy == ParamGradients::SingleLaunch {
                 return Err(Error::Argument {
@@ -520,10 +533,16 @@ impl GradientPlan {
             }
             return Ok(self.group_sums);
         }
+        // The sums' work items are slabs of 32 columns of each gradient: a grid that has fewer
+        // blocks than them (one block for one row) would walk them one after another.
+        let sums = self.sums.as_ref().map_or(0, |s| {
+            let p = &s.params;
+            (p.d as usize).div_ceil(32) * (1 + (p.out2 != 0) as usize)
+        });
         let grid = persistent_grid(
             device,
             rows.kernel.entry(),
-            work,
+            work.max(sums),
             rows.block,
             rows.cluster,
             shared_bytes,

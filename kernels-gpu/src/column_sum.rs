@@ -138,23 +138,78 @@ pub const COLUMN_SUM_VECTOR: usize = 4;
 pub unsafe fn column_sum<T: Element>(p: &ColumnSumParams) {
     unsafe {
         if p.columns as usize == COLUMN_SUM_VECTOR {
-            column_sum_by::<T, COLUMN_SUM_VECTOR>(p, 0)
+            column_sum_by::<T, COLUMN_SUM_VECTOR, true>(p, 0)
         } else {
-            column_sum_by::<T, 1>(p, 0)
+            column_sum_by::<T, 1, true>(p, 0)
         }
     }
 }
 
-/// The column sum by a block of any size: its warps take the [`COLUMN_SUM_SLICES`] group slices
-/// of a slab in turns (warp `w` slices `w`, `w + warps`, …), each slice's sum goes to shared
-/// memory at `base` (`COLUMN_SUM_SLICES · 32 · COLUMNS` words), and the slices are added in slice
-/// order: the same order, so the same bits, for every block size.
+/// The sum of one group slice of a column (or of `COLUMNS` adjacent ones): groups `slice`,
+/// `slice + COLUMN_SUM_SLICES`, … in order. `d` is a multiple of `COLUMNS`, and `col < d`.
 #[inline(always)]
-unsafe fn column_sum_by<T: Element, const COLUMNS: usize>(p: &ColumnSumParams, base: usize) {
+unsafe fn slice_sum<const COLUMNS: usize>(
+    partials: u64,
+    (col, d): (usize, usize),
+    slice: usize,
+    groups: usize,
+) -> [f32; COLUMNS] {
+    let mut acc = [0.0f32; COLUMNS];
+    // Issue COLUMN_SUM_UNROLL independent loads, then add them in group order: the order is the
+    // plain sequential one, the loads overlap instead of waiting one by one. Four columns per
+    // thread keep half as many loads in flight (twice the bytes).
+    let unroll = if COLUMNS > 1 {
+        COLUMN_SUM_UNROLL / 2
+    } else {
+        COLUMN_SUM_UNROLL
+    };
+    let mut g = slice;
+    while g < groups {
+        let mut vals = [[0.0f32; COLUMNS]; COLUMN_SUM_UNROLL];
+        for u in 0..unroll {
+            let gu = g + u * COLUMN_SUM_SLICES;
+            if COLUMNS > 1 {
+                // Unconditional loads (of the last group past the end, then dropped), so all of
+                // them issue before the first add waits.
+                let row = partials + (gu.min(groups - 1) * d * 4) as u64;
+                let loaded = unsafe { load_f32s::<true>(row, col, COLUMNS) };
+                for c in 0..COLUMNS {
+                    vals[u][c] = if gu < groups { loaded[c] } else { 0.0 };
+                }
+            } else if gu < groups {
+                let row = partials + (gu * d * 4) as u64;
+                vals[u][0] = unsafe { load_f32s::<false>(row, col, 1) }[0];
+            }
+        }
+        for u in 0..unroll {
+            for c in 0..COLUMNS {
+                acc[c] += vals[u][c];
+            }
+        }
+        g += unroll * COLUMN_SUM_SLICES;
+    }
+    acc
+}
+
+/// The column sum by a block: each slab of `32 · COLUMNS` columns has its
+/// [`COLUMN_SUM_SLICES`] group slices summed (warp `w` slice `w` when `SLICE_PER_WARP`, the
+/// column-sum kernel's 16 warps; else, for a block of any size, slices `w`, `w + warps`, … in
+/// turn), each slice's sum put in shared memory at `base` (`COLUMN_SUM_SLICES · 32 · COLUMNS`
+/// words), and the slices added in slice order: the same order, so the same bits, for every
+/// block size.
+#[inline(always)]
+unsafe fn column_sum_by<T: Element, const COLUMNS: usize, const SLICE_PER_WARP: bool>(
+    p: &ColumnSumParams,
+    base: usize,
+) {
     let shared = arch::shared_f32();
     let tid = arch::thread_idx();
     let (lane, warp) = (tid % WARP, tid / WARP);
-    let warps = arch::block_dim() / WARP;
+    let warps = if SLICE_PER_WARP {
+        COLUMN_SUM_SLICES
+    } else {
+        arch::block_dim() / WARP
+    };
     let (d, groups) = (p.d as usize, p.groups as usize);
     // The first shared word of a slice's share of this lane's columns.
     let word = |slice: usize| base + (slice * WARP + lane) * COLUMNS;
@@ -172,46 +227,17 @@ unsafe fn column_sum_by<T: Element, const COLUMNS: usize>(p: &ColumnSumParams, b
         let col = (item % slabs * WARP + lane) * COLUMNS;
         let mut slice = warp;
         while slice < COLUMN_SUM_SLICES {
-            let mut acc = [0.0f32; COLUMNS];
             // `d` is a multiple of `COLUMNS`: a thread's columns are all inside or all past it.
-            if col < d {
-                // Issue COLUMN_SUM_UNROLL independent loads, then add them in group order: the
-                // order is the plain sequential one, the loads overlap instead of waiting one by
-                // one. Four columns per thread keep half as many loads in flight (twice the
-                // bytes).
-                let unroll = if COLUMNS > 1 {
-                    COLUMN_SUM_UNROLL / 2
-                } else {
-                    COLUMN_SUM_UNROLL
-                };
-                let mut g = slice;
-                while g < groups {
-                    let mut vals = [[0.0f32; COLUMNS]; COLUMN_SUM_UNROLL];
-                    for u in 0..unroll {
-                        let gu = g + u * COLUMN_SUM_SLICES;
-                        if COLUMNS > 1 {
-                            // Unconditional loads (of the last group past the end, then
-                            // dropped), so all of them issue before the first add waits.
-                            let row = partials + (gu.min(groups - 1) * d * 4) as u64;
-                            let loaded = unsafe { load_f32s::<true>(row, col, COLUMNS) };
-                            for c in 0..COLUMNS {
-                                vals[u][c] = if gu < groups { loaded[c] } else { 0.0 };
-                            }
-                        } else if gu < groups {
-                            let row = partials + (gu * d * 4) as u64;
-                            vals[u][0] = unsafe { load_f32s::<false>(row, col, 1) }[0];
-                        }
-                    }
-                    for u in 0..unroll {
-                        for c in 0..COLUMNS {
-                            acc[c] += vals[u][c];
-                        }
-                    }
-                    g += unroll * COLUMN_SUM_SLICES;
-                }
-            }
+            let acc = if col < d {
+                unsafe { slice_sum::<COLUMNS>(partials, (col, d), slice, groups) }
+            } else {
+                [0.0; COLUMNS]
+            };
             for (c, a) in acc.iter().enumerate() {
                 unsafe { shared.store(word(slice) + c, *a) };
+            }
+            if SLICE_PER_WARP {
+                break;
             }
             slice += warps;
         }
@@ -283,21 +309,31 @@ pub unsafe fn finish_group_sums<T: Element>(
     d: usize,
 ) {
     if sums.mode == GROUP_SUMS_IN_LAUNCH {
-        let outs = (sums.out, sums.out2, sums.out_f32 != 0);
-        unsafe { sum_in_launch::<T>(sums.sync, outs, (partials, partials2), groups, d) }
+        let (groups, d) = (groups as u32, d as u32);
+        let (out, out2, out_f32) = (sums.out, sums.out2, sums.out_f32);
+        unsafe {
+            sum_in_launch::<T>(
+                sums.sync, out, out2, out_f32, partials, partials2, groups, d,
+            )
+        }
     }
 }
 
 /// The in-launch sums of [`finish_group_sums`]: one function per output dtype, called at the end
-/// of every backward rather than inlined into it, so that the backward's registers, stack (none)
-/// and code stay its own and the sum's loops are unrolled as in the column-sum kernel.
+/// of every backward rather than inlined into it, so that the backward's registers and code stay
+/// its own and the sum's loops are unrolled as in the column-sum kernel. Scalars only: an
+/// aggregate argument would go through local memory.
 #[inline(never)]
+#[allow(clippy::too_many_arguments)]
 unsafe fn sum_in_launch<T: Element>(
     sync: u64,
-    (out, out2, out_f32): (u64, u64, bool),
-    (partials, partials2): (u64, u64),
-    groups: usize,
-    d: usize,
+    out: u64,
+    out2: u64,
+    out_f32: u32,
+    partials: u64,
+    partials2: u64,
+    groups: u32,
+    d: u32,
 ) {
     unsafe { arch::grid_barrier(sync) };
     let params = ColumnSumParams {
@@ -305,16 +341,16 @@ unsafe fn sum_in_launch<T: Element>(
         out,
         partials2,
         out2,
-        groups: groups as u32,
-        d: d as u32,
+        groups,
+        d,
         columns: 1,
     };
     let base = arch::dynamic_shared_words() - GROUP_SUMS_SHARED_WORDS;
     unsafe {
-        if out_f32 {
-            column_sum_by::<F32, 1>(&params, base)
+        if out_f32 != 0 {
+            column_sum_by::<F32, 1, false>(&params, base)
         } else {
-            column_sum_by::<T, 1>(&params, base)
+            column_sum_by::<T, 1, false>(&params, base)
         }
     }
 }
@@ -334,8 +370,12 @@ pub unsafe fn store_group_partials<const VEC: bool>(
     len: usize,
 ) {
     if sums.mode == GROUP_SUMS_ATOMIC {
-        for (i, v) in vals.iter().enumerate().take(len) {
-            unsafe { arch::atomic_add_f32(partials + ((elem + i) * 4) as u64, *v) };
+        // A constant trip count, so the loop unrolls and `vals` stays in registers (a loop to
+        // `len` left every backward's partial sums in local memory).
+        for (i, v) in vals.iter().enumerate() {
+            if i < len {
+                unsafe { arch::atomic_add_f32(partials + ((elem + i) * 4) as u64, *v) };
+            }
         }
     } else {
         unsafe { store_f32s::<VEC>(partials + (group * d * 4) as u64, elem, vals, len) };

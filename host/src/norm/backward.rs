@@ -506,8 +506,9 @@ pub(crate) mod tests {
         let two_pass = self::plan(&call(Norm::Layer, 64, 4096), &H200).unwrap();
         let (single, two) = (rows.shared_bytes, two_pass.rows.unwrap().shared_bytes);
         assert_eq!(single, two + GROUP_SUMS_SHARED_WORDS * 4);
-        // 64 groups of one row: 64 blocks, all resident.
-        assert_eq!((rows.params.groups, rows.grid), (64, 64));
+        // 64 groups of one row, and 2 × 128 slabs of 32 columns to sum: 256 blocks, all
+        // resident (two of 256 threads per SM).
+        assert_eq!((rows.params.groups, rows.grid), (64, 256));
         // Atomics: the gradients themselves take the partial rows, no column sum, no barrier.
         c.partials = Partials::Own(ParamGradients::Atomic);
         let plan = self::plan(&c, &H200).unwrap();

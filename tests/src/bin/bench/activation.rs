@@ -86,6 +86,7 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
         let us = time(&mut |set| {
             let dx = Rows::new(set.out0.as_view_mut(), rows, d).unwrap();
             let args = activation::Backward::new(act, v(rows, d, &set.g), v(rows, d, &set.a), dx);
+            let args = args.param_gradients(s.strategy);
             activation::backward(&gpu, args.dbias(dbias.as_view_mut(), ws.as_view_mut())).unwrap()
         });
         // dy and preact read, dx written, dbias written (the workspace is not counted).

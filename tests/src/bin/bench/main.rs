@@ -1,7 +1,7 @@
 //! normkern's benchmark: every op against the device's copy bandwidth, measured in the same run.
 //!
 //! `cargo xtask bench [--reps N] [--warmup N] [--quick] [--shapes RxD,...] [--untracked]
-//! [--param-grads]`, or `./bench` in a bundle (`--param-grads`: only the small-batch latency and
+//! [--param-grads] [--strategy auto|two-pass|single-launch]`, or `./bench` in a bundle (`--param-grads`: only the small-batch latency and
 //! parameter-gradient strategy tables). Times are medians of CUDA event timings after warm-up; inputs rotate over enough sets
 //! to exceed L2; bytes count the minimal traffic (each input read once, each output written
 //! once). "host µs per call" is the median CPU time of the call itself (validation, launch plan,
@@ -11,7 +11,7 @@ mod activation;
 mod norm;
 mod param_grads;
 
-use normkern::Context;
+use normkern::{Context, ParamGradients};
 use normkern_tests::bench::{Timing, copy_bandwidth, launch_floor_us};
 
 /// One measured row of the table.
@@ -30,6 +30,8 @@ pub struct Settings {
     pub quick: bool,
     /// `--shapes 1024x65536,4096x16384`: only these norm shapes (and no activations).
     pub shapes: Option<Vec<(usize, usize)>>,
+    /// `--strategy two-pass|single-launch|auto`: how the backwards sum dγ/dβ/dbias.
+    pub strategy: ParamGradients,
 }
 
 fn main() {
@@ -40,7 +42,22 @@ fn main() {
             .and_then(|i| args.get(i + 1))
             .and_then(|v| v.parse().ok())
     };
+    let strategy = match args
+        .iter()
+        .position(|a| a == "--strategy")
+        .map(|i| args.get(i + 1))
+    {
+        None => ParamGradients::Auto,
+        Some(Some(s)) if s == "auto" => ParamGradients::Auto,
+        Some(Some(s)) if s == "two-pass" => ParamGradients::TwoPass,
+        Some(Some(s)) if s == "single-launch" => ParamGradients::SingleLaunch,
+        Some(other) => {
+            println!("bench: --strategy takes auto, two-pass or single-launch, not {other:?}");
+            return;
+        }
+    };
     let settings = Settings {
+        strategy,
         reps: value("--reps").unwrap_or(200),
         warmup: 20,
         quick: args.iter().any(|a| a == "--quick"),

@@ -94,6 +94,7 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
             let dx = Rows::new(set.dx.as_view_mut(), rows, d).unwrap();
             let (dgamma, ws) = (dgamma.as_view_mut(), ws.as_view_mut());
             let args = NormBackward::new(dy, x, gamma.as_view(), dx, dgamma, ws).eps(EPS);
+            let args = args.param_gradients(s.strategy);
             rms_norm::backward(&gpu, args.rstd(set.rstd.as_view())).unwrap();
         });
         // x and dy read, dx written, rstd and γ read, dγ written (the workspace is not counted).
@@ -146,6 +147,7 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
             let dx = Rows::new(dx.as_view_mut(), rows, d).unwrap();
             let (dgamma, ws) = (dgamma.as_view_mut(), ws.as_view_mut());
             let args = NormBackward::new(dy, x, gamma.as_view(), dx, dgamma, ws).eps(EPS);
+            let args = args.param_gradients(s.strategy);
             let args = args.mean_rstd(mean.as_view(), rstd.as_view());
             layer_norm::backward(&gpu, args.dbias(dbeta.as_view_mut())).unwrap();
         });
@@ -241,6 +243,7 @@ fn rms_norm_residual<H: TestDtype>(
         let dresidual = Rows::new(set.dresidual.as_view(), rows, d).unwrap();
         let (dgamma, ws) = (dgamma.as_view_mut(), ws.as_view_mut());
         let args = NormBackward::new(dy, h, gamma.as_view(), dx, dgamma, ws).eps(EPS);
+        let args = args.param_gradients(s.strategy);
         rms_norm::backward(gpu, args.rstd(set.rstd.as_view()).dresidual(dresidual)).unwrap();
     });
     eprintln!(

@@ -115,37 +115,35 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, copy_gbs: f64) {
     let mut rng = Rng::seeded(16);
     println!();
     println!(
-        "small-batch latency, bf16, µs per call (all launches; CUDA events), default strategy; host µs per call in brackets"
+        "small-batch latency, bf16, µs per call (all launches; CUDA events) eager (host µs per call) | as a CUDA-graph replay"
     );
     println!(
-        "| rows×d | RMS fwd | RMS fwd (graph) | RMS bwd | RMS bwd (graph) | LN fwd | LN bwd | LN bwd (graph) | RMS bwd two-pass |"
+        "| rows×d | RMS fwd | graph | RMS bwd (Auto) | graph | single launch | graph | two-pass | graph | LN fwd | graph | LN bwd (Auto) | graph |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let cells = |t: (f64, f64, f64)| format!("{:.1} ({:.1}) | {:.1}", t.0, t.2, t.1);
     for d in [2048, 4096, 8192] {
         for rows in [1, 8, 64, 256, 1024] {
             let mut o = Operands::<bf16>::new(stream, &mut rng, rows, d);
-            let auto = ParamGradients::Auto;
+            let (auto, single, two) = (
+                ParamGradients::Auto,
+                ParamGradients::SingleLaunch,
+                ParamGradients::TwoPass,
+            );
             let rms_fwd = eager_and_graph(ctx, stream, || o.rms_forward(&gpu));
             let rms_bwd = eager_and_graph(ctx, stream, || o.backward(&gpu, false, auto));
+            let rms_single = eager_and_graph(ctx, stream, || o.backward(&gpu, false, single));
+            let rms_two = eager_and_graph(ctx, stream, || o.backward(&gpu, false, two));
             let ln_fwd = eager_and_graph(ctx, stream, || o.layer_forward(&gpu));
             let ln_bwd = eager_and_graph(ctx, stream, || o.backward(&gpu, true, auto));
-            let two = ParamGradients::TwoPass;
-            let two_pass = eager_and_graph(ctx, stream, || o.backward(&gpu, false, two));
             println!(
-                "| {rows}×{d} | {:.1} ({:.1}) | {:.1} | {:.1} ({:.1}) | {:.1} | {:.1} ({:.1}) | {:.1} ({:.1}) | {:.1} | {:.1} ({:.1}) |",
-                rms_fwd.0,
-                rms_fwd.2,
-                rms_fwd.1,
-                rms_bwd.0,
-                rms_bwd.2,
-                rms_bwd.1,
-                ln_fwd.0,
-                ln_fwd.2,
-                ln_bwd.0,
-                ln_bwd.2,
-                ln_bwd.1,
-                two_pass.0,
-                two_pass.2
+                "| {rows}×{d} | {} | {} | {} | {} | {} | {} |",
+                cells(rms_fwd),
+                cells(rms_bwd),
+                cells(rms_single),
+                cells(rms_two),
+                cells(ln_fwd),
+                cells(ln_bwd)
             );
         }
     }
