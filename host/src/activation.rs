@@ -262,6 +262,12 @@ pub(crate) fn backward_across<E: Executor, T: Dtype>(
     if let Some(db) = &args.dbias {
         expect_len("dbias", db.dbias.elements(), d)?;
         check_gradients(partials, T::KERNEL, T::KERNEL)?;
+        if strategy == ParamGradients::LockedPartials {
+            return Err(Error::Argument {
+                what: "ParamGradients::LockedPartials",
+                problem: "a benchmark baseline of the norm backwards only",
+            });
+        }
         let needed = gradient_workspace_len(partials, rows, d, 1)?;
         if db.workspace.elements() < needed {
             return Err(Error::WorkspaceTooSmall {

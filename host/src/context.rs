@@ -418,6 +418,13 @@ impl<'s> Executor for Gpu<'s> {
         self.ctx
     }
 
+    fn zero(&self, address: u64, words: usize) -> Result<()> {
+        // SAFETY: the call validated the operand these words lie in; the stream is this one.
+        unsafe { sys::cuMemsetD32Async(address, 0, words, self.stream.cu_stream()) }
+            .result()
+            .map_err(Error::driver("cuMemsetD32Async"))
+    }
+
     fn launch<K: Sync, P: Copy + Sync>(&self, launch: &Launch<K, P>) -> Result<()> {
         let f = &self.ctx.kernel(launch.kernel.entry())?.function;
         // An error cudarc recorded while ordering the operands (an event wait or record) comes

@@ -156,6 +156,12 @@ impl Executor for Emulator {
         self
     }
 
+    fn zero(&self, address: u64, words: usize) -> Result<()> {
+        // SAFETY: the call validated the operand these words lie in.
+        unsafe { std::ptr::write_bytes(address as *mut f32, 0, words) };
+        Ok(())
+    }
+
     fn launch<K: Sync, P: Copy + Sync>(&self, launch: &Launch<K, P>) -> Result<()> {
         let (body, params) = (launch.kernel.body, launch.params);
         emu::launch(

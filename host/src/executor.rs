@@ -49,6 +49,10 @@ pub trait Executor: private::Sealed {
     /// Enqueues (GPU) or runs (emulator) one launch.
     #[doc(hidden)]
     fn launch<K: Sync, P: Copy + Sync>(&self, launch: &private::Launch<K, P>) -> Result<()>;
+
+    /// Zeroes `words` f32 at `address` (of an operand this call validated), in stream order.
+    #[doc(hidden)]
+    fn zero(&self, address: u64, words: usize) -> Result<()>;
 }
 
 /// The address of an optional input (0 when absent) and its guard.

@@ -82,12 +82,14 @@ norm_calls!(
         /// ```
     },
     workspace: {
-        /// f32 elements of workspace the backward needs for `rows × d` (room for dγ and dβ
-        /// partials).
+        /// f32 elements of workspace the backward needs for `rows × d`: the single launch's
+        /// barrier words (4), then room for dγ's and dβ's partial rows. Allocate it zeroed
+        /// ([`crate::ParamGradients`]).
         ///
         /// ```
         /// use normkern::{layer_norm, rms_norm};
-        /// assert_eq!(layer_norm::workspace_len(1000, 512)?, 2 * rms_norm::workspace_len(1000, 512)?);
+        /// let (ln, rms) = (layer_norm::workspace_len(1000, 512)?, rms_norm::workspace_len(1000, 512)?);
+        /// assert_eq!(ln - 4, 2 * (rms - 4));
         /// # Ok::<(), normkern::Error>(())
         /// ```
     }

@@ -9,7 +9,8 @@
 
 use normkern_gpu::column_sum::{
     self, COLUMN_SUM_THREADS, COLUMN_SUM_VECTOR, ColumnSumParams, GROUP_SUMS_ATOMIC,
-    GROUP_SUMS_IN_LAUNCH, GROUP_SUMS_SHARED_WORDS, GROUP_SUMS_SYNC_WORDS, GroupSums,
+    GROUP_SUMS_IN_LAUNCH, GROUP_SUMS_LOCKED, GROUP_SUMS_SHARED_WORDS, GROUP_SUMS_SYNC_WORDS,
+    GroupSums,
 };
 use normkern_gpu::kernel::{Dtype, Entry};
 use normkern_gpu::norm::STREAM;
@@ -301,6 +302,25 @@ pub enum ParamGradients {
     /// gradients must be f32, and the call **adds** into them: zero them before the first call
     /// (or keep them, to accumulate over micro-batches).
     Atomic,
+    /// A benchmark baseline, not for use: the Triton tutorial's scheme. Each group adds its
+    /// partial row into one of a few zeroed partial rows (group `g` into `g % 16`) under that
+    /// row's spin lock, then a column sum adds those rows: three launches (the zeroing, the row
+    /// kernel, the sum), not deterministic (the adds into a row land in lock order). Row kernels
+    /// of one block holding the row in registers only; others are refused (`Error::Argument`),
+    /// as are activations.
+    #[doc(hidden)]
+    LockedPartials,
+}
+
+/// Most partial rows of [`ParamGradients::LockedPartials`] (per gradient), each with its lock.
+const LOCKED_BUFFERS: usize = 16;
+
+/// Partial rows [`ParamGradients::LockedPartials`] uses for `rows × d`: one per group, up to
+/// [`LOCKED_BUFFERS`].
+fn locked_buffers(rows: usize, d: usize) -> usize {
+    LOCKED_BUFFERS
+        .min(column_sum::group_layout(rows, d).1)
+        .max(1)
 }
 
 /// Where the group partials of a backward's parameter gradients (dγ, dβ, dbias) go and how they
@@ -343,6 +363,8 @@ pub(crate) struct GradientPlan {
     /// Fast mode: the fp32 sums `sums` wrote (address, elements), to be summed over the ranks,
     /// and the cast of them into the outputs.
     pub cast: Option<(u64, usize, Launch<Dtype, ColumnSumParams>)>,
+    /// f32 words to zero before the row kernel (address, words): the locked baseline's buffers.
+    pub zero: Option<(u64, usize)>,
     /// The strategy asked for, resolved by [`Self::fit`].
     strategy: ParamGradients,
     /// `rows × d` of the call.
@@ -370,6 +392,14 @@ pub(crate) fn gradient_workspace_len(
     };
     let (groups, extra_rows) = match partials {
         Partials::Own(ParamGradients::Atomic) => return Ok(0),
+        Partials::Own(ParamGradients::LockedPartials) => {
+            // The barrier's words (unused), the locks, then the buffers of each gradient.
+            let buffers = locked_buffers(rows, d);
+            return (buffers.checked_mul(d))
+                .and_then(|n| n.checked_mul(sums))
+                .and_then(|n| n.checked_add(GROUP_SUMS_SYNC_WORDS + LOCKED_BUFFERS))
+                .ok_or(too_large);
+        }
         Partials::Own(_) => (column_sum::group_layout(rows, d).1, 0),
         Partials::Shard { groups, .. } => (groups, 0),
         Partials::OwnSummedAcross => (column_sum::group_layout(rows, d).1, 1),
@@ -435,6 +465,34 @@ pub(crate) fn gradient_plan(
         Partials::Own(strategy) => strategy,
         _ => ParamGradients::TwoPass,
     };
+    if strategy == ParamGradients::LockedPartials {
+        let buffers = locked_buffers(rows, d);
+        let locks = workspace + (GROUP_SUMS_SYNC_WORDS * 4) as u64;
+        let first = locks + (LOCKED_BUFFERS * 4) as u64;
+        let second_at = if second {
+            first + (buffers * d * 4) as u64
+        } else {
+            0
+        };
+        let words = LOCKED_BUFFERS + buffers * d * (1 + second as usize);
+        return Ok(GradientPlan {
+            rows_per_group,
+            groups,
+            partials: [first, second_at],
+            group_sums: GroupSums {
+                mode: GROUP_SUMS_LOCKED,
+                sync: locks,
+                buffers: buffers as u32,
+                ..GroupSums::default()
+            },
+            gather: None,
+            sums: Some(plan(outputs, [first, second_at], buffers, dtype)?),
+            cast: None,
+            zero: Some((locks, words)),
+            strategy,
+            elements: rows.saturating_mul(d),
+        });
+    }
     if strategy == ParamGradients::Atomic {
         return Ok(GradientPlan {
             rows_per_group,
@@ -447,6 +505,7 @@ pub(crate) fn gradient_plan(
             gather: None,
             sums: None,
             cast: None,
+            zero: None,
             strategy,
             elements: rows.saturating_mul(d),
         });
@@ -470,6 +529,7 @@ pub(crate) fn gradient_plan(
             dtype,
         )?),
         cast: None,
+        zero: None,
         strategy,
         elements: rows.saturating_mul(d),
     };
@@ -510,6 +570,8 @@ impl GradientPlan {
     ) -> Result<GroupSums> {
         let single = match self.strategy {
             ParamGradients::Atomic => return Ok(self.group_sums),
+            // The norm plan checks the tile (`norm::backward::plan`).
+            ParamGradients::LockedPartials => return Ok(self.group_sums),
             ParamGradients::TwoPass => false,
             ParamGradients::Auto => self.elements <= AUTO_SINGLE_LAUNCH_MAX_ELEMS,
             ParamGradients::SingleLaunch => true,

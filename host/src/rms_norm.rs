@@ -126,12 +126,13 @@ norm_calls!(
         /// ```
     },
     workspace: {
-        /// f32 elements of workspace the backward needs for `rows × d`: one fp32 partial row per
-        /// group of rows, the groups fixed by the shape.
+        /// f32 elements of workspace the backward needs for `rows × d`: the single launch's
+        /// barrier words (4), then one fp32 partial row per group of rows, the groups fixed by
+        /// the shape. Allocate it zeroed ([`crate::ParamGradients`]).
         ///
         /// ```
         /// let len = normkern::rms_norm::workspace_len(16384, 4096)?;
-        /// assert!(len >= 4096 && len % 4096 == 0);
+        /// assert!(len > 4096 && (len - 4) % 4096 == 0);
         /// # Ok::<(), normkern::Error>(())
         /// ```
     }

@@ -264,6 +264,11 @@ pub const GROUP_SUMS_PARTIALS: u32 = 0;
 pub const GROUP_SUMS_IN_LAUNCH: u32 = 1;
 /// [`GroupSums::mode`]: add them into f32 gradients with atomics.
 pub const GROUP_SUMS_ATOMIC: u32 = 2;
+/// [`GroupSums::mode`]: add each group's partial row into one of [`GroupSums::buffers`] zeroed
+/// partial rows (group `g` into `g % buffers`) under that row's lock, for a column sum over the
+/// buffers after this launch: the Triton tutorial's scheme, a benchmark baseline (register tiles
+/// of one block only).
+pub const GROUP_SUMS_LOCKED: u32 = 3;
 
 /// Words of shared memory [`finish_group_sums`] takes at the end of a block's dynamic shared
 /// memory: one per lane and group slice.
@@ -291,6 +296,10 @@ pub struct GroupSums {
     pub out: u64,
     /// 0: one sum.
     pub out2: u64,
+    /// [`GROUP_SUMS_LOCKED`]: the partial rows that groups add into, and `sync` holds one lock
+    /// word per row.
+    pub buffers: u32,
+    pub _pad: u32,
 }
 
 /// Ends a row kernel's parameter gradients as `sums` says: nothing more for two-pass and atomics;
@@ -369,7 +378,15 @@ pub unsafe fn store_group_partials<const VEC: bool>(
     vals: &[f32; 8],
     len: usize,
 ) {
-    if sums.mode == GROUP_SUMS_ATOMIC {
+    if sums.mode == GROUP_SUMS_LOCKED {
+        // The caller holds row `group`'s lock: read, add, write back.
+        let row = partials + (group * d * 4) as u64;
+        let mut total = unsafe { load_f32s::<VEC>(row, elem, len) };
+        for (t, v) in total.iter_mut().zip(vals) {
+            *t += *v;
+        }
+        unsafe { store_f32s::<VEC>(row, elem, &total, len) };
+    } else if sums.mode == GROUP_SUMS_ATOMIC {
         // A constant trip count, so the loop unrolls and `vals` stays in registers (a loop to
         // `len` left every backward's partial sums in local memory).
         for (i, v) in vals.iter().enumerate() {

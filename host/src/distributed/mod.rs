@@ -280,6 +280,9 @@ pub(crate) fn launch_backward<E: Executor, K: Sync, P: Copy + Sync>(
     gradients: &GradientPlan,
     mut across: Option<Across<'_>>,
 ) -> Result<()> {
+    if let Some((address, words)) = gradients.zero {
+        exec.zero(address, words)?;
+    }
     if let Some(launch) = rows {
         exec.launch(launch)?;
     }

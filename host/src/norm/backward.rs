@@ -2,7 +2,7 @@
 //! sum of the dγ and dβ partials).
 
 use normkern_gpu::kernel::Dtype as KernelDtype;
-use normkern_gpu::norm::{BACKWARD, BackwardParams, Norm, NormKey};
+use normkern_gpu::norm::{BACKWARD, BackwardParams, Norm, NormKey, STREAM};
 
 use super::{RowLaunch, check_config, inv, params_f32, stored_f32, stride_in_elems};
 use crate::distributed::{Across, launch_backward};
@@ -386,6 +386,14 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
             params,
         }
         .plan(device, |_| false)?;
+        let locked = launch.params.sums.mode == normkern_gpu::column_sum::GROUP_SUMS_LOCKED;
+        if locked && (launch.kernel.key.cluster || launch.kernel.key.vpt == STREAM) {
+            // The lock is taken by the one block that holds the group's partial row.
+            return Err(Error::Argument {
+                what: "ParamGradients::LockedPartials",
+                problem: "a benchmark baseline for rows one block holds in registers",
+            });
+        }
         launch.params.sums = gradients.fit(device, &mut launch, gradients.groups)?;
         rows_launch = Some(launch);
     }

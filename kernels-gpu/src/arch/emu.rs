@@ -725,3 +725,34 @@ pub unsafe fn atomic_add_f32(p: u64, v: f32) {
 pub fn dynamic_shared_words() -> usize {
     with_ctx(|c| c.block().shared.len())
 }
+
+/// The emulator's [`crate::arch`] block lock: thread 0 takes the word at `lock` from 0 to 1,
+/// handing control to the other emulated threads while another block holds it.
+///
+/// # Safety
+/// `lock` is a 4-byte-aligned address of a live word; every thread of the block calls this.
+pub unsafe fn block_lock(lock: u64) {
+    sync_threads();
+    if thread_idx() == 0 {
+        // SAFETY: as the caller promises.
+        let word = unsafe { &*(lock as *const AtomicU32) };
+        let take = || {
+            word.compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+        };
+        wait_until(take, || "a block lock never released".to_string());
+    }
+    sync_threads();
+}
+
+/// Releases [`block_lock`].
+///
+/// # Safety
+/// As for [`block_lock`], which this block holds.
+pub unsafe fn block_unlock(lock: u64) {
+    sync_threads();
+    if thread_idx() == 0 {
+        // SAFETY: as the caller promises.
+        unsafe { &*(lock as *const AtomicU32) }.store(0, Ordering::SeqCst);
+    }
+}

@@ -624,3 +624,43 @@ pub fn dynamic_shared_words() -> usize {
     }
     bytes as usize / 4
 }
+
+/// Takes the spin lock at global word `lock` (0 free, 1 held) for the whole block: thread 0
+/// spins on `atom.cas.acquire`, the block waits at a barrier for it.
+///
+/// # Safety
+/// `lock` is a 4-byte-aligned global address; every thread of the block calls this.
+#[inline(always)]
+pub unsafe fn block_lock(lock: u64) {
+    sync_threads();
+    if thread_idx() == 0 {
+        loop {
+            let old: u32;
+            unsafe {
+                asm!("atom.acquire.gpu.global.cas.b32 {old}, [{p}], 0, 1;", old = out(reg32) old,
+                    p = in(reg64) lock, options(nostack, preserves_flags));
+            }
+            if old == 0 {
+                break;
+            }
+            unsafe { asm!("nanosleep.u32 32;", options(nostack, preserves_flags)) };
+        }
+    }
+    sync_threads();
+}
+
+/// Releases [`block_lock`]: every thread's stores before it are visible to the next holder.
+///
+/// # Safety
+/// As for [`block_lock`], which this block holds.
+#[inline(always)]
+pub unsafe fn block_unlock(lock: u64) {
+    unsafe { asm!("fence.acq_rel.gpu;", options(nostack, preserves_flags)) };
+    sync_threads();
+    if thread_idx() == 0 {
+        unsafe {
+            asm!("st.release.gpu.global.u32 [{p}], 0;", p = in(reg64) lock,
+                options(nostack, preserves_flags));
+        }
+    }
+}

@@ -8,7 +8,9 @@ use super::rows::{Plain, ResidualBackward, RowSource, param, row_stats_stream};
 use super::staged::backward_staged;
 use super::tile::BackwardTile;
 use crate::arch;
-use crate::column_sum::{GROUP_SUMS_ATOMIC, finish_group_sums, store_group_partials};
+use crate::column_sum::{
+    GROUP_SUMS_ATOMIC, GROUP_SUMS_LOCKED, finish_group_sums, store_group_partials,
+};
 use crate::element::{Access, Element, load_f32s, row_addr};
 use crate::reduce::{PendingSums, RowReducer, Team};
 
@@ -189,7 +191,18 @@ pub(super) unsafe fn backward_regs<
                 tile.pass2(&mut reducer, row, &this, pass1, &mut dgamma, &mut dbeta);
             }
         }
-        unsafe { tile.store_partials(group, &dgamma, &dbeta) };
+        if p.sums.mode == GROUP_SUMS_LOCKED {
+            // The locked-buffers baseline: add into buffer `group % buffers` under its lock.
+            let slot = group % p.sums.buffers as usize;
+            let lock = p.sums.sync + (slot * 4) as u64;
+            unsafe {
+                arch::block_lock(lock);
+                tile.store_partials(slot, &dgamma, &dbeta);
+                arch::block_unlock(lock);
+            }
+        } else {
+            unsafe { tile.store_partials(group, &dgamma, &dbeta) };
+        }
         group += team.stride;
     }
 }

@@ -269,6 +269,11 @@ impl<T: TestDtype, W: TestDtype> Case<T, W> {
     /// The forward (saving the statistics), then the backward (reading them unless `recompute`),
     /// on `backend`, every output poisoned first.
     pub fn run<B: Backend>(&self, backend: &B) -> Outputs<T, W> {
+        self.try_run(backend).unwrap()
+    }
+
+    /// [`Self::run`], with the backward's error (the forward must succeed).
+    pub fn try_run<B: Backend>(&self, backend: &B) -> Result<Outputs<T, W>> {
         let exec = backend.exec();
         let layout = self.layout;
         let poison = self.poisoned();
@@ -280,7 +285,11 @@ impl<T: TestDtype, W: TestDtype> Case<T, W> {
         let mut dx = backend.upload(&poison.dx);
         let mut dweight = backend.upload(&poison.dweight);
         let mut dbias = backend.upload(&poison.dbias);
-        let workspace_len = self.kind.workspace_len(layout.rows, layout.d);
+        let mut workspace_len = self.kind.workspace_len(layout.rows, layout.d);
+        if self.param_grads == ParamGradients::LockedPartials {
+            // Its locks and up to 16 partial rows per gradient.
+            workspace_len += 16 + 32 * layout.d;
+        }
         let mut workspace = backend.upload(&normkern_tests::poisoned_workspace(workspace_len));
 
         let forward = NormForward::new(
@@ -315,7 +324,7 @@ impl<T: TestDtype, W: TestDtype> Case<T, W> {
             (B::input(&mean, 0), B::input(&rstd, 0)),
             B::output(&mut dbias, 0),
         );
-        self.kind.backward(exec, backward).unwrap();
+        self.kind.backward(exec, backward)?;
         let sync = &backend.download(&workspace)[..GROUP_SUMS_SYNC_WORDS.min(workspace_len)];
         assert!(
             sync.iter().step_by(2).all(|c| c.to_bits() == 0),
@@ -323,14 +332,14 @@ impl<T: TestDtype, W: TestDtype> Case<T, W> {
             self.describe()
         );
 
-        Outputs {
+        Ok(Outputs {
             y: backend.download(&y),
             mean: backend.download(&mean),
             rstd: backend.download(&rstd),
             dx: backend.download(&dx),
             dweight: backend.download(&dweight),
             dbias: backend.download(&dbias),
-        }
+        })
     }
 }
 

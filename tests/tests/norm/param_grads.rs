@@ -1,6 +1,6 @@
 //! The parameter-gradient strategies ([`ParamGradients`]): the single launch gives the two-pass
-//! bits on every grid, down to one block; the atomic strategy is within tolerance of the f64
-//! reference and adds into its outputs; every call leaves the workspace's counters zero
+//! bits on every grid, down to one block; the atomic strategy and the locked-buffers baseline
+//! are within tolerance of the f64 reference, and atomics add into their outputs; every call leaves the barrier's arrival count at zero
 //! ([`Case::run`] checks that after every backward).
 
 use half::bf16;
@@ -21,6 +21,7 @@ fn strategies_agree<B: Backend>(
     seed: &str,
 ) {
     let mut rng = Rng::fresh(seed);
+    let mut locked_runs = 0;
     for &kind in kinds {
         for &shape in shapes {
             let mut case = Case::<bf16>::new(kind, &mut rng, shape);
@@ -52,13 +53,27 @@ fn strategies_agree<B: Backend>(
             atomic.param_grads = ParamGradients::Atomic;
             let out = atomic.run(backend);
             atomic.check(&out, "atomic");
+
+            // The locked-buffers baseline, where the row kernel is one block's register tile.
+            case.param_grads = ParamGradients::LockedPartials;
+            match case.try_run(backend) {
+                Ok(out) => {
+                    case.check(&out, "locked partials");
+                    locked_runs += 1;
+                }
+                Err(normkern::Error::Argument { what, .. }) => {
+                    assert_eq!(what, "ParamGradients::LockedPartials", "{what}")
+                }
+                Err(e) => panic!("{what}: locked partials: {e}"),
+            }
         }
     }
+    assert!(locked_runs > 0, "no shape ran the locked baseline");
 }
 
 /// Small batches (groups of one row), odd and unaligned rows (one element per access), strided
-/// rows with an offset, rows not a multiple of the groups, and several chunks of 16 groups (the
-/// emulator is slow per row: few rows, many groups).
+/// rows with an offset, rows not a multiple of the groups, and more groups than the sums' 16
+/// slices (the emulator is slow per row: few rows, many groups).
 const EMULATOR_SHAPES: [Shape; 6] = [
     (1, 64, 64, 0),
     (8, 256, 256, 0),

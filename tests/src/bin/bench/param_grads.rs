@@ -50,7 +50,8 @@ impl<G: Dtype + normkern_tests::TestDtype + normkern::cudarc::driver::ValidAsZer
             dweight: stream.alloc_zeros(d).unwrap(),
             dbias: stream.alloc_zeros(d).unwrap(),
             workspace: stream
-                .alloc_zeros(layer_norm::workspace_len(rows, d).unwrap())
+                // LayerNorm's, or the locked baseline's locks and up to 16 rows of each gradient.
+                .alloc_zeros((layer_norm::workspace_len(rows, d).unwrap()).max(20 + 32 * d))
                 .unwrap(),
         }
     }
@@ -64,6 +65,15 @@ impl<G: Dtype + normkern_tests::TestDtype + normkern::cudarc::driver::ValidAsZer
     }
 
     fn backward(&mut self, gpu: &Gpu, layer: bool, strategy: ParamGradients) {
+        self.try_backward(gpu, layer, strategy).unwrap()
+    }
+
+    fn try_backward(
+        &mut self,
+        gpu: &Gpu,
+        layer: bool,
+        strategy: ParamGradients,
+    ) -> normkern::Result<()> {
         let (rows, d) = (self.rows, self.d);
         let dy = Rows::new(self.dy.as_view(), rows, d).unwrap();
         let x = Rows::new(self.x.as_view(), rows, d).unwrap();
@@ -74,9 +84,9 @@ impl<G: Dtype + normkern_tests::TestDtype + normkern::cudarc::driver::ValidAsZer
             .param_gradients(strategy);
         if layer {
             let args = args.mean_rstd(self.mean.as_view(), self.rstd.as_view());
-            layer_norm::backward(gpu, args.dbias(self.dbias.as_view_mut())).unwrap();
+            layer_norm::backward(gpu, args.dbias(self.dbias.as_view_mut()))
         } else {
-            rms_norm::backward(gpu, args.rstd(self.rstd.as_view())).unwrap();
+            rms_norm::backward(gpu, args.rstd(self.rstd.as_view()))
         }
     }
 
@@ -174,8 +184,19 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, copy_gbs: f64) {
             ("two-pass", ParamGradients::TwoPass, 2),
             ("single launch", ParamGradients::SingleLaunch, 1),
             ("atomic", ParamGradients::Atomic, 1),
+            // The zeroing of its buffers, the row kernel, the column sum.
+            ("locked partials", ParamGradients::LockedPartials, 3),
         ] {
             let atomic = strategy == ParamGradients::Atomic;
+            let probe = if atomic {
+                o32.try_backward(&gpu, false, strategy)
+            } else {
+                o.try_backward(&gpu, false, strategy)
+            };
+            if let Err(e) = probe {
+                println!("| {rows}×{d} | {name} | refused: {e} | | | | | |");
+                continue;
+            }
             let timing = if atomic {
                 time(ctx.cuda(), stream, 20, 200, |_| {
                     o32.backward(&gpu, false, strategy)
@@ -202,7 +223,14 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, copy_gbs: f64) {
                 .collect();
             let same = runs.iter().filter(|r| **r == runs[0]).count();
             let gbs = bytes / (us * 1e-6) / 1e9;
-            let ws = if atomic { 0 } else { workspace };
+            let ws = match strategy {
+                ParamGradients::Atomic => 0,
+                // The barrier's words and 16 locks, then a partial row per group up to 16.
+                ParamGradients::LockedPartials => {
+                    (20 + normkern::group_layout(rows, d).1.clamp(1, 16) * d) * 4
+                }
+                _ => workspace,
+            };
             println!(
                 "| {rows}×{d} | {name} | {us:.1} | {:.1} | {host:.1} | {ws} | {launches} | {same} / 10 |",
                 100.0 * gbs / copy_gbs
