@@ -21,7 +21,7 @@
 //! run of whole groups, [`BatchSplit::with_rows`] checks a split of the caller's. Only the
 //! parameter gradients meet; dx stays each rank's own.
 //!
-//! The GPU side (a [`Communicator`] and the backward calls on it) needs the `nccl` feature;
+//! The GPU side (a `Communicator` and the backward calls on it) needs the `nccl` feature;
 //! the split is plain arithmetic, always there.
 
 // Arithmetic on validated sizes: rows and d below 2³², world below 2³¹, at most 8192 groups, so
