@@ -278,9 +278,9 @@ pub(crate) fn column_sum(
 /// and any GPU. Their workspace ([`crate::rms_norm::workspace_len`] and the like) starts with a
 /// few words the single launch counts in: **allocate it zeroed** (`alloc_zeros`); every call
 /// leaves them zero, so one zeroing at allocation serves every later call and every CUDA-graph
-/// replay. (A call that finds them not zero fails on the GPU rather than summing early: its
-/// kernel traps, and the CUDA context with it.) The rest of the workspace may hold anything
-/// between calls.
+/// replay. (A count of the grid's size or more when a call starts makes its kernel trap, and the
+/// CUDA context with it; a smaller stray count would let the sums start early, so never share the
+/// workspace with anything else.) The rest of the workspace may hold anything between calls.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum ParamGradients {
     /// normkern's choice for the shape among the deterministic strategies (so the choice never
