@@ -365,10 +365,9 @@ pub(crate) struct GradientPlan {
     pub cast: Option<(u64, usize, Launch<Dtype, ColumnSumParams>)>,
     /// f32 words to zero before the row kernel (address, words): the locked baseline's buffers.
     pub zero: Option<(u64, usize)>,
-    /// The strategy asked for, resolved by [`Self::fit`].
+    /// The strategy, `Auto` left only where the single launch is wanted if it fits
+    /// ([`Self::fit`]).
     strategy: ParamGradients,
-    /// `rows × d` of the call.
-    elements: usize,
 }
 
 /// Most elements (`rows × d`) of a call for which [`ParamGradients::Auto`] picks the single
@@ -462,6 +461,11 @@ pub(crate) fn gradient_plan(
         column_sum(device, dtype, (partials[0], out[0]), second, groups, d)
     };
     let strategy = match partials {
+        Partials::Own(ParamGradients::Auto)
+            if rows.saturating_mul(d) > AUTO_SINGLE_LAUNCH_MAX_ELEMS =>
+        {
+            ParamGradients::TwoPass
+        }
         Partials::Own(strategy) => strategy,
         _ => ParamGradients::TwoPass,
     };
@@ -490,7 +494,6 @@ pub(crate) fn gradient_plan(
             cast: None,
             zero: Some((locks, words)),
             strategy,
-            elements: rows.saturating_mul(d),
         });
     }
     if strategy == ParamGradients::Atomic {
@@ -507,7 +510,6 @@ pub(crate) fn gradient_plan(
             cast: None,
             zero: None,
             strategy,
-            elements: rows.saturating_mul(d),
         });
     }
     let mut gradient = GradientPlan {
@@ -531,7 +533,6 @@ pub(crate) fn gradient_plan(
         cast: None,
         zero: None,
         strategy,
-        elements: rows.saturating_mul(d),
     };
     match partials {
         Partials::Own(_) => {}
@@ -573,8 +574,7 @@ impl GradientPlan {
             // The norm plan checks the tile (`norm::backward::plan`).
             ParamGradients::LockedPartials => return Ok(self.group_sums),
             ParamGradients::TwoPass => false,
-            ParamGradients::Auto => self.elements <= AUTO_SINGLE_LAUNCH_MAX_ELEMS,
-            ParamGradients::SingleLaunch => true,
+            ParamGradients::Auto | ParamGradients::SingleLaunch => true,
         };
         if !single {
             return Ok(self.group_sums);
