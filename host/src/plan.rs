@@ -71,6 +71,8 @@ pub struct RowTile {
     pub vpt: usize,
     pub threads: usize,
     pub cluster: usize,
+    /// Lanes of a segment team per row (`normkern_gpu::norm::segments`); 0: a block or cluster.
+    pub lanes: usize,
 }
 
 /// Picks the tile for a row of `d` elements read `len` at a time among the compiled register
@@ -131,6 +133,7 @@ pub(crate) fn row_tile(
                 vpt,
                 threads,
                 cluster,
+                lanes: 0,
             });
         }
     }
@@ -142,6 +145,7 @@ pub(crate) fn row_tile(
                 vpt: STREAM,
                 threads,
                 cluster,
+                lanes: 0,
             });
         }
     }
@@ -706,6 +710,7 @@ pub(crate) mod tests {
             vpt,
             threads,
             cluster,
+            lanes: 0,
         }
     }
 

@@ -19,6 +19,21 @@ pub fn warp_sums<const N: usize>(mut v: [f32; N]) -> [f32; N] {
     v
 }
 
+/// Sums of `N` values over this lane's aligned segment of `lanes` lanes (a power of two, at most
+/// 32; one row's team, [`Team::lanes`]), by butterfly: every lane of the segment gets the same
+/// bits, and only the segment takes part.
+#[inline(always)]
+pub fn segment_sums<const N: usize>(mut v: [f32; N], lanes: usize) -> [f32; N] {
+    let mut mask = lanes as u32 / 2;
+    while mask > 0 {
+        for x in v.iter_mut() {
+            *x += arch::shfl_xor_within(*x, mask, lanes);
+        }
+        mask >>= 1;
+    }
+    v
+}
+
 /// Sum over the 32 lanes of a warp; every lane gets the total.
 #[inline(always)]
 pub fn warp_sum(v: f32) -> f32 {
@@ -65,6 +80,8 @@ pub struct RowReducer {
     /// Cluster calls so far: their mailbox slot and mbarrier phase.
     calls: u32,
     cluster: bool,
+    /// A team of this many lanes within a warp ([`Team::lanes`]): sums by shuffles alone.
+    lanes: usize,
 }
 
 /// A reduction begun by [`RowReducer::start`]: the block's totals, and where the cluster's will be.
@@ -77,14 +94,17 @@ pub struct PendingSums {
 }
 
 impl RowReducer {
-    /// A reducer over the block, or with `cluster` over every block of the cluster: a constant of
-    /// the kernel instance, so a block-only instance carries no cluster code (nor its registers).
+    /// A reducer over the team: the lanes of a warp segment, the block, or every block of the
+    /// cluster: constants of the kernel instance, so a block-only instance carries no cluster
+    /// code (nor its registers), and a segment's none of the block's.
     ///
     /// # Safety
     /// Every thread of the block (of the cluster) calls it (with `cluster`, it contains a cluster
-    /// barrier); the launch provides [`ROW_REDUCER_SHARED_WORDS`] words of dynamic shared memory.
+    /// barrier); a block or cluster team's launch provides [`ROW_REDUCER_SHARED_WORDS`] words of
+    /// dynamic shared memory.
     #[inline(always)]
-    pub unsafe fn new(cluster: bool) -> Self {
+    pub unsafe fn new(team: Team) -> Self {
+        let cluster = team.cluster;
         if cluster {
             if arch::thread_idx() == 0 {
                 let shared = arch::shared_f32();
@@ -100,6 +120,7 @@ impl RowReducer {
             block_slot: 0,
             calls: 0,
             cluster,
+            lanes: team.lanes,
         }
     }
 
@@ -127,6 +148,15 @@ impl RowReducer {
     /// As for [`Self::sums`].
     #[inline(always)]
     pub unsafe fn start<const N: usize>(&mut self, v: [f32; N]) -> PendingSums {
+        if self.lanes != 0 {
+            let mut totals = [0.0f32; MAX_BLOCK_SUMS];
+            totals[..N].copy_from_slice(&segment_sums(v, self.lanes));
+            return PendingSums {
+                block: totals,
+                slot: 0,
+                phase: 0,
+            };
+        }
         let shared = arch::shared_f32();
         let base = BLOCK_SLOTS + self.block_slot * MAX_BLOCK_SUMS * WARP;
         self.block_slot ^= 1;
@@ -224,9 +254,11 @@ impl RowReducer {
     }
 }
 
-/// The threads that share one row: the block, or (sm_90, cluster instances) every block of a
-/// cluster, for rows too wide for one block's registers; their partial sums meet in
-/// [`RowReducer`]. Teams walk rows (or groups of rows) by grid stride, as blocks do.
+/// The threads that share one row: an aligned segment of `lanes` lanes of a warp (rows too
+/// narrow for a warp, several rows per warp), the block, or (sm_90, cluster instances) every block
+/// of a cluster, for rows too wide for one block's registers; their partial sums meet in
+/// [`RowReducer`]. Teams walk rows (or groups of rows) by grid stride; a block's segment teams
+/// have consecutive indices, so a warp's loads of consecutive rows coalesce.
 #[derive(Clone, Copy)]
 pub struct Team {
     /// This thread's index in the team: the blocks of a cluster in rank order.
@@ -236,12 +268,27 @@ pub struct Team {
     pub first: usize,
     pub stride: usize,
     pub cluster: bool,
+    /// Lanes of a segment team; 0 for a block or cluster team.
+    pub lanes: usize,
 }
 
 impl Team {
+    /// The team of this thread: of `lanes` lanes (a power of two, 4 to 32) when not 0, else the
+    /// block or with `cluster` the cluster.
     #[inline(always)]
-    pub fn new(cluster: bool) -> Self {
+    pub fn new(cluster: bool, lanes: usize) -> Self {
         let block = arch::block_dim();
+        if let Some(per_block) = block.checked_div(lanes) {
+            let tid = arch::thread_idx();
+            return Team {
+                tid: tid % lanes,
+                threads: lanes,
+                first: arch::block_idx() * per_block + tid / lanes,
+                stride: arch::grid_dim() * per_block,
+                cluster: false,
+                lanes,
+            };
+        }
         if cluster {
             Team {
                 tid: arch::cluster_rank() * block + arch::thread_idx(),
@@ -249,6 +296,7 @@ impl Team {
                 first: arch::cluster_idx(),
                 stride: arch::cluster_count(),
                 cluster,
+                lanes: 0,
             }
         } else {
             Team {
@@ -257,6 +305,7 @@ impl Team {
                 first: arch::block_idx(),
                 stride: arch::grid_dim(),
                 cluster,
+                lanes: 0,
             }
         }
     }

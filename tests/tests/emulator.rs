@@ -80,7 +80,7 @@ fn correct_block_reduction_runs_and_sums_in_order() {
         reduce::ROW_REDUCER_SHARED_WORDS * 4,
         false,
         &|| {
-            let mut reducer = unsafe { reduce::RowReducer::new(false) };
+            let mut reducer = unsafe { reduce::RowReducer::new(reduce::Team::new(false, 0)) };
             // Two successive reductions reuse the alternating slots.
             let a = unsafe { reducer.sum(arch::thread_idx() as f32) };
             let [b, c] = unsafe { reducer.sums([1.0, arch::block_idx() as f32]) };
@@ -103,6 +103,31 @@ fn correct_block_reduction_runs_and_sums_in_order() {
 }
 
 #[test]
+fn segment_teams_sum_their_own_lanes_and_may_diverge() {
+    // 2 blocks of 64 threads in teams of 8 lanes (16 teams): team t makes t % 3 + 1 reductions
+    // of its lanes' indices, so the teams of one warp leave the loop at different times.
+    let sums = std::sync::Mutex::new(Vec::new());
+    emu::launch("segment_sum", (2, 64, 1), 0, false, &|| {
+        let team = reduce::Team::new(false, 8);
+        assert_eq!((team.threads, team.stride), (8, 16));
+        let mut reducer = unsafe { reduce::RowReducer::new(team) };
+        for call in 0..team.first % 3 + 1 {
+            let [a, b] = unsafe { reducer.sums([team.tid as f32, call as f32]) };
+            if team.tid == 0 {
+                sums.lock().unwrap().push((team.first, call, a, b));
+            }
+        }
+    })
+    .unwrap();
+    let mut sums = sums.into_inner().unwrap();
+    sums.sort_by_key(|s| (s.0, s.1));
+    let expected: Vec<_> = (0..16)
+        .flat_map(|t| (0..t % 3 + 1).map(move |c| (t, c, 28.0, 8.0 * c as f32)))
+        .collect();
+    assert_eq!(sums, expected);
+}
+
+#[test]
 fn cluster_reduction_gives_every_block_the_same_sums() {
     // 4 clusters of 3 blocks of 64 threads: each cluster sums over its 192 threads, in rank order.
     let sums = std::sync::Mutex::new(Vec::new());
@@ -112,7 +137,7 @@ fn cluster_reduction_gives_every_block_the_same_sums() {
         reduce::ROW_REDUCER_SHARED_WORDS * 4,
         false,
         &|| {
-            let mut reducer = unsafe { reduce::RowReducer::new(true) };
+            let mut reducer = unsafe { reduce::RowReducer::new(reduce::Team::new(true, 0)) };
             let rank = arch::cluster_rank();
             let tid = rank * arch::block_dim() + arch::thread_idx();
             // Three calls: the published words alternate between two slots, like the block's.
@@ -158,7 +183,7 @@ fn overlapped_cluster_reductions_come_back_in_order() {
         reduce::ROW_REDUCER_SHARED_WORDS * 4,
         false,
         &|| {
-            let mut reducer = unsafe { reduce::RowReducer::new(true) };
+            let mut reducer = unsafe { reduce::RowReducer::new(reduce::Team::new(true, 0)) };
             let tid = arch::cluster_rank() * arch::block_dim() + arch::thread_idx();
             let value = |call: usize| (tid * (call + 1)) as f32;
             // Even calls reduce one value, odd calls two (the second is 1 per thread).

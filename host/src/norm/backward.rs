@@ -383,11 +383,13 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
             // needs them.
             work: gradients.groups,
             clusters: true,
+            items_per_team: false,
             params,
         }
         .plan(device, |_| false)?;
         let locked = launch.params.sums.mode == normkern_gpu::column_sum::GROUP_SUMS_LOCKED;
-        if locked && (launch.kernel.key.cluster || launch.kernel.key.vpt == STREAM) {
+        let key = launch.kernel.key;
+        if locked && (key.cluster || key.vpt == STREAM || key.lanes != 0) {
             // The lock is taken by the one block that holds the group's partial row.
             return Err(Error::Argument {
                 what: "ParamGradients::LockedPartials",
@@ -459,6 +461,22 @@ pub(crate) mod tests {
             grad_dtype: KernelDtype::Bf16,
             partials: Partials::Own(ParamGradients::TwoPass),
         }
+    }
+
+    #[test]
+    fn narrow_rows_take_segment_teams_a_block_per_group() {
+        for (d, name) in [
+            (128, "layer_norm_bwd_bf16_v2l8"),
+            (256, "layer_norm_bwd_bf16_v2l16"),
+            (512, "layer_norm_bwd_bf16_v2l32"),
+        ] {
+            let plan = plan(&call(Norm::Layer, 1 << 20, d), &H200).unwrap();
+            let rows = plan.rows.unwrap();
+            assert_eq!((rows.kernel.name, rows.block), (name, 256));
+            assert!(rows.grid <= 1024, "{d}: a block per group of 1024");
+        }
+        let wider = plan(&call(Norm::Layer, 1 << 20, 1024), &H200).unwrap();
+        assert_eq!(wider.rows.unwrap().kernel.key.lanes, 0);
     }
 
     #[test]
@@ -604,6 +622,7 @@ pub(crate) mod tests {
             vec: true,
             vpt,
             cluster,
+            lanes: 0,
         };
         let staged = BACKWARD.find(&key(4, true, false)).unwrap();
         assert!(staged.large_shared);
@@ -627,12 +646,8 @@ pub(crate) mod tests {
     #[test]
     fn group_layouts_match_the_exhaustive_search() {
         fn scan(rows: usize, d: usize) -> (usize, usize) {
-            // Rows of at most 512: up to 2²¹ / d groups, at most 8192.
-            let most = if d <= 512 {
-                ((1 << 21) / d).min(8192)
-            } else {
-                512
-            };
+            // Rows of at most 512: up to 1024 groups.
+            let most = if d <= 512 { 1024 } else { 512 };
             let fewest = rows.div_ceil(most);
             let default = fewest.max(16);
             let per_group = if d > 32768 {
@@ -681,9 +696,10 @@ pub(crate) mod tests {
         assert_eq!(group_layout(1024, 4096), (4, 256));
         assert_eq!(group_layout(4095, 4096), (16, 256));
         assert_eq!(group_layout(4096, 4096), (16, 256));
-        // Narrow rows: more groups, so that many small blocks walk them (QK-norm's d = 128).
-        assert_eq!(group_layout(1 << 20, 128), (128, 8192));
-        assert_eq!(group_layout(262144, 512), (64, 4096));
+        // Narrow rows: more groups, so that about four blocks of segment teams per SM walk
+        // them (QK-norm's d = 128).
+        assert_eq!(group_layout(1 << 20, 128), (1024, 1024));
+        assert_eq!(group_layout(262144, 512), (256, 1024));
         assert_eq!(group_layout(65536, 1024), (128, 512));
         assert_eq!(
             workspace_len(Norm::Layer, 16384, 4096),

@@ -288,6 +288,7 @@ pub(crate) fn plan(
         // Forward rows are independent: with a row per SM or more, a block per row streaming
         // from L2 outruns a cluster per row.
         clusters: rows < device.sm_count(),
+        items_per_team: true,
         params,
     }
     .plan(device, |vpt| {
@@ -321,6 +322,30 @@ mod tests {
             params_f32: false,
             residual: None,
         }
+    }
+
+    #[test]
+    fn narrow_rows_take_the_narrowest_segment_team_that_covers_them() {
+        for (d, name, rows_per_block) in [
+            (128, "rms_norm_fwd_bf16_v2l8", 32),
+            (256, "rms_norm_fwd_bf16_v2l16", 16),
+            (512, "rms_norm_fwd_bf16_v4l16", 16),
+            (1024, "rms_norm_fwd_bf16_v4l32", 8),
+        ] {
+            let launch = plan(&call(Norm::Rms, 1 << 20, d), &H200).unwrap().unwrap();
+            assert_eq!((launch.kernel.name, launch.block), (name, 256));
+            // A persistent grid of blocks of `rows_per_block` teams, none idle for a round.
+            let (rows, teams) = (1usize << 20, launch.grid * rows_per_block);
+            assert!(
+                teams < rows && rows.div_ceil(teams) * teams - rows < teams,
+                "{d}"
+            );
+        }
+        // Past a warp's reach: a block per row.
+        let wide = plan(&call(Norm::Rms, 1 << 20, 1032), &H200)
+            .unwrap()
+            .unwrap();
+        assert_eq!(wide.kernel.key.lanes, 0);
     }
 
     #[test]

@@ -42,6 +42,7 @@ pub use backward::NormBackward;
 pub use forward::{NormForward, ResidualAdd};
 
 use normkern_gpu::kernel::{Dtype as KernelDtype, Kernel, Table};
+use normkern_gpu::norm::segments::SEGMENT_THREADS;
 use normkern_gpu::norm::{NormKey, STREAM};
 
 use crate::error::{Error, Result};
@@ -123,6 +124,9 @@ pub(crate) struct RowLaunch<P: 'static> {
     pub work: usize,
     /// Whether a row may be split over the blocks of a cluster.
     pub clusters: bool,
+    /// How a block of segment teams takes its work: each team its own item (rows: a block
+    /// covers `SEGMENT_THREADS / lanes` of them), or the block one item (a group of rows).
+    pub items_per_team: bool,
     pub params: P,
 }
 
@@ -137,10 +141,11 @@ impl<P: Copy> RowLaunch<P> {
         prefetches: impl Fn(usize) -> bool,
     ) -> Result<Launch<NormKey, P>> {
         let base = self.key;
-        let kernel = |vpt: usize, cluster: bool| {
+        let kernel = |vpt: usize, cluster: bool, lanes: usize| {
             self.table.find(&NormKey {
                 vpt,
                 cluster,
+                lanes,
                 ..base
             })
         };
@@ -149,7 +154,17 @@ impl<P: Copy> RowLaunch<P> {
         } else {
             1
         };
+        let len = if base.vec { 16 / base.dtype.bytes() } else { 1 };
+        let limit = |k: &'static Kernel<NormKey, P>| -> Result<usize> {
+            let opt_in = device.shared_opt_in();
+            let shared = threads_within_shared(k.large_shared, k.shared_bytes, opt_in);
+            Ok(device.max_threads(k.entry())?.min(shared))
+        };
         let choose = || {
+            // A row that a segment team covers takes the narrowest such team (several rows per
+            // warp, no block barrier per row): a function of d, the dtype and the access alone,
+            // as the backward's sum order requires.
+            let mut segment: Option<(usize, &'static Kernel<NormKey, P>)> = None;
             // The compiled register tiles of this key, ascending.
             let mut register_tiles = [0usize; 8];
             let mut tiles = 0;
@@ -157,26 +172,42 @@ impl<P: Copy> RowLaunch<P> {
                 let block_tile = NormKey {
                     vpt: k.key.vpt,
                     cluster: false,
+                    lanes: 0,
                     ..base
                 };
-                if k.key == block_tile && k.key.vpt != STREAM && tiles < register_tiles.len() {
+                let segment_tile = NormKey {
+                    lanes: k.key.lanes,
+                    ..block_tile
+                };
+                if k.key.lanes != 0 && k.key == segment_tile {
+                    let reach = k.key.lanes * k.key.vpt * len;
+                    if reach >= self.d
+                        && segment.is_none_or(|(best, _)| reach < best)
+                        && limit(k)? >= SEGMENT_THREADS
+                    {
+                        segment = Some((reach, k));
+                    }
+                } else if k.key == block_tile && k.key.vpt != STREAM && tiles < register_tiles.len()
+                {
                     register_tiles[tiles] = k.key.vpt;
                     tiles += 1;
                 }
             }
+            if let Some((_, k)) = segment {
+                return Ok(RowTile {
+                    vpt: k.key.vpt,
+                    threads: SEGMENT_THREADS,
+                    cluster: 1,
+                    lanes: k.key.lanes,
+                });
+            }
             register_tiles[..tiles].sort_unstable();
-            let limit = |k: &'static Kernel<NormKey, P>| -> Result<usize> {
-                let opt_in = device.shared_opt_in();
-                let shared = threads_within_shared(k.large_shared, k.shared_bytes, opt_in);
-                Ok(device.max_threads(k.entry())?.min(shared))
-            };
-            let len = if base.vec { 16 / base.dtype.bytes() } else { 1 };
             row_tile(
                 self.d,
                 len,
                 &register_tiles[..tiles],
                 max_cluster,
-                |vpt, cluster| kernel(vpt, cluster).map(limit).transpose(),
+                |vpt, cluster| kernel(vpt, cluster, 0).map(limit).transpose(),
                 prefetches,
             )
         };
@@ -185,21 +216,20 @@ impl<P: Copy> RowLaunch<P> {
             vpt,
             threads,
             cluster,
+            lanes,
         } = match device.tile_memo() {
             Some(memo) => memo.get_or(question, choose)?,
             None => choose()?,
         };
-        let kernel =
-            kernel(vpt, cluster > 1).ok_or(Error::Internal("the chosen tile is not compiled"))?;
+        let kernel = kernel(vpt, cluster > 1, lanes)
+            .ok_or(Error::Internal("the chosen tile is not compiled"))?;
         let shared_bytes = (kernel.shared_bytes)(threads);
-        let grid = persistent_grid(
-            device,
-            kernel.entry(),
-            self.work,
-            threads,
-            cluster,
-            shared_bytes,
-        )?;
+        let work = if lanes != 0 && self.items_per_team {
+            self.work.div_ceil(threads / lanes)
+        } else {
+            self.work
+        };
+        let grid = persistent_grid(device, kernel.entry(), work, threads, cluster, shared_bytes)?;
         Ok(Launch {
             kernel,
             grid,

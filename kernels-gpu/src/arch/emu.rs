@@ -147,6 +147,9 @@ struct Block {
     barrier: Barrier,
     warp_barriers: Vec<Barrier>,
     warp_slots: Vec<AtomicU32>,
+    /// Barriers of the warp segments that shuffle on their own ([`shfl_xor_within`]), by first
+    /// thread and lanes, made on first use.
+    segment_barriers: RefCell<BTreeMap<(usize, usize), Rc<Barrier>>>,
     shared: Vec<AtomicU32>,
     /// The mbarriers in `shared`, by word: kept beside the words, which they make unusable.
     mbarriers: RefCell<BTreeMap<usize, Mbarrier>>,
@@ -279,6 +282,31 @@ pub fn shfl_xor(v: f32, lane_mask: u32) -> f32 {
     block.warp_barriers[warp].wait(block.idx, "warp shuffle");
     let out = block.warp_slots[warp * WARP + partner].load(Ordering::SeqCst);
     block.warp_barriers[warp].wait(block.idx, "warp shuffle");
+    f32::from_bits(out)
+}
+
+/// [`shfl_xor`] within this lane's aligned segment of `lanes` lanes: only the segment waits for
+/// itself, so segments of one warp may diverge, as on the GPU.
+pub fn shfl_xor_within(v: f32, lane_mask: u32, lanes: usize) -> f32 {
+    if lanes >= WARP {
+        return shfl_xor(v, lane_mask);
+    }
+    assert!(
+        lanes.is_power_of_two() && (lane_mask as usize) < lanes,
+        "shuffle of mask {lane_mask} within segments of {lanes} lanes"
+    );
+    let (cluster, rank, tid) = with_ctx(|c| (c.cluster.clone(), c.rank, c.tid));
+    let block = &cluster.blocks[rank];
+    let first = tid & !(lanes - 1);
+    let barrier = (block.segment_barriers.borrow_mut())
+        .entry((first, lanes))
+        .or_insert_with(|| Rc::new(Barrier::new(lanes)))
+        .clone();
+    let partner = tid ^ lane_mask as usize;
+    block.warp_slots[tid].store(v.to_bits(), Ordering::SeqCst);
+    barrier.wait(block.idx, "segment shuffle");
+    let out = block.warp_slots[partner].load(Ordering::SeqCst);
+    barrier.wait(block.idx, "segment shuffle");
     f32::from_bits(out)
 }
 
@@ -635,6 +663,7 @@ pub fn launch(
                 // A partial last warp still expects 32 lanes: a full-mask shuffle there is misuse.
                 warp_barriers: (0..warps).map(|_| Barrier::new(WARP)).collect(),
                 warp_slots: (0..warps * WARP).map(|_| AtomicU32::new(0)).collect(),
+                segment_barriers: RefCell::new(BTreeMap::new()),
                 shared: (0..shared_bytes.div_ceil(4))
                     .map(|_| AtomicU32::new(0x7fc0_dead))
                     .collect(),

@@ -124,6 +124,32 @@ pub fn shfl_xor(v: f32, lane_mask: u32) -> f32 {
     f32::from_bits(out)
 }
 
+/// Butterfly shuffle within this lane's aligned segment of `lanes` lanes (a power of two, 2 to
+/// 32): returns `v` of lane `lane ^ lane_mask` (`lane_mask < lanes`). Only the segment's lanes
+/// take part, so the segments of a warp (teams sharing one row each) may diverge, e.g. when one
+/// has no row left. Not pure, as [`shfl_xor`].
+#[inline(always)]
+pub fn shfl_xor_within(v: f32, lane_mask: u32, lanes: usize) -> f32 {
+    let lane = thread_idx() as u32 % 32;
+    let members = if lanes >= 32 {
+        u32::MAX
+    } else {
+        ((1u32 << lanes) - 1) << (lane & !(lanes as u32 - 1))
+    };
+    let out: u32;
+    unsafe {
+        asm!(
+            "shfl.sync.bfly.b32 {out}, {v}, {m}, 0x1f, {members};",
+            out = out(reg32) out,
+            v = in(reg32) v.to_bits(),
+            m = in(reg32) lane_mask,
+            members = in(reg32) members,
+            options(nostack, preserves_flags)
+        );
+    }
+    f32::from_bits(out)
+}
+
 /// The launch-sized dynamic shared memory of the block, seen as f32 words.
 #[derive(Clone, Copy)]
 pub struct SharedF32(*mut f32);

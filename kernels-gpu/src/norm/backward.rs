@@ -3,8 +3,9 @@
 
 use super::Normalization;
 use super::params::BackwardParams;
-use super::policy::{STREAM, staged};
+use super::policy::{STREAM, gamma_end, staged};
 use super::rows::{Plain, ResidualBackward, RowSource, param, row_stats_stream};
+use super::segments::{SEGMENT_THREADS, backward_segments, combine_words};
 use super::staged::backward_staged;
 use super::tile::BackwardTile;
 use crate::arch;
@@ -15,7 +16,7 @@ use crate::element::{Access, Element, load_f32s, row_addr};
 use crate::reduce::{PendingSums, RowReducer, Team};
 
 /// The backward: dx, and one dγ (and dβ) partial row per group; launch any grid (blocks walk
-/// groups by grid stride), then [`crate::column_sum`] over the partials, or have this launch sum
+/// groups by grid stride; with `LANES`, [`super::segments`]), then [`crate::column_sum`] over the partials, or have this launch sum
 /// them or add them atomically (`p.sums`, [`crate::column_sum::GroupSums`]).
 ///
 /// # Safety
@@ -28,16 +29,24 @@ pub unsafe fn backward<
     N: Normalization,
     const RESIDUAL: bool,
     const CLUSTER: bool,
+    const LANES: usize,
 >(
     p: &BackwardParams,
 ) {
-    let team = Team::new(CLUSTER);
+    let team = Team::new(CLUSTER, LANES);
     let plain = Plain {
         x: p.x,
         stride: p.x_stride,
     };
+    let area = combine_words(gamma_end(N::CENTERED, VPT, SEGMENT_THREADS), VPT, LANES).0;
     unsafe {
         match (VPT == STREAM, RESIDUAL) {
+            (false, false) if LANES != 0 => {
+                backward_segments::<T, VEC, VPT, N, _>(p, plain, team, area)
+            }
+            (false, true) if LANES != 0 => {
+                backward_segments::<T, VEC, VPT, N, _>(p, ResidualBackward::new(p), team, area)
+            }
             (true, false) => backward_stream::<T, VEC, N, _>(p, plain, team),
             (true, true) => backward_stream::<T, VEC, N, _>(p, ResidualBackward::new(p), team),
             (false, false) if staged(CLUSTER, RESIDUAL, VPT) => {
@@ -163,7 +172,7 @@ pub(super) unsafe fn backward_regs<
     src: S,
     team: Team,
 ) {
-    let mut reducer = unsafe { RowReducer::new(team.cluster) };
+    let mut reducer = unsafe { RowReducer::new(team) };
     let tile = unsafe { BackwardTile::<T, VEC, VPT, N, S>::new(p, src, team) };
     let rows = p.rows as usize;
     let prefetch = tile.prefetch;
@@ -218,7 +227,7 @@ pub(super) unsafe fn backward_stream<
     src: S,
     team: Team,
 ) {
-    let mut reducer = unsafe { RowReducer::new(team.cluster) };
+    let mut reducer = unsafe { RowReducer::new(team) };
     let len = Access::<T, VEC>::LEN;
     let Team {
         tid,

@@ -43,11 +43,13 @@ pub(super) fn normalize<N: Normalization>(
     }
 }
 
-/// The forward; launch one block per row, any grid (blocks walk rows by grid stride).
+/// The forward; launch any grid (teams walk rows by grid stride): one block per row, or with
+/// `LANES` a segment team of that many lanes per row (`super::segments`).
 ///
 /// # Safety
 /// The params describe valid, non-overlapping buffers laid out as the kernel's [`super::NormKey`]
-/// requires; the block is a multiple of 32 threads with enough of them to cover the row in `VPT`.
+/// requires; the block is a multiple of 32 threads with enough of them (or the team enough lanes)
+/// to cover the row in `VPT`.
 #[inline(always)]
 pub unsafe fn forward<
     T: Element,
@@ -56,10 +58,11 @@ pub unsafe fn forward<
     N: Normalization,
     const RESIDUAL: bool,
     const CLUSTER: bool,
+    const LANES: usize,
 >(
     p: &ForwardParams,
 ) {
-    let team = Team::new(CLUSTER);
+    let team = Team::new(CLUSTER, LANES);
     let plain = Plain {
         x: p.x,
         stride: p.x_stride,
@@ -87,7 +90,7 @@ pub(super) unsafe fn forward_regs<
     src: S,
     team: Team,
 ) {
-    let mut reducer = unsafe { RowReducer::new(team.cluster) };
+    let mut reducer = unsafe { RowReducer::new(team) };
     let len = Access::<T, VEC>::LEN;
     let Team {
         tid,
@@ -113,7 +116,8 @@ pub(super) unsafe fn forward_regs<
     };
     let rows = p.rows as usize;
     let mut row = first;
-    let prefetch = forward_prefetches(N::CENTERED, S::WIDE, VPT);
+    // A segment team's accesses are few: it always has the registers for the next row.
+    let prefetch = forward_prefetches(N::CENTERED, S::WIDE, VPT) || (team.lanes != 0 && !S::WIDE);
     let mut next = if prefetch && row < rows {
         load_row(row)
     } else {
@@ -166,7 +170,7 @@ pub(super) unsafe fn forward_stream<
     src: S,
     team: Team,
 ) {
-    let mut reducer = unsafe { RowReducer::new(team.cluster) };
+    let mut reducer = unsafe { RowReducer::new(team) };
     let len = Access::<T, VEC>::LEN;
     let Team {
         tid,

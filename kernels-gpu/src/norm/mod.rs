@@ -41,6 +41,7 @@ pub mod forward;
 pub mod params;
 pub mod policy;
 mod rows;
+pub mod segments;
 mod staged;
 mod tile;
 
@@ -101,6 +102,9 @@ pub struct NormKey {
     pub vpt: usize,
     /// A row is shared by the blocks of a thread-block cluster (sm_90, packed access only).
     pub cluster: bool,
+    /// A row is taken by a team of this many lanes of a warp (`segments`), several rows per
+    /// warp; 0: by the block or the cluster.
+    pub lanes: usize,
 }
 
 impl NormKey {
@@ -113,107 +117,114 @@ impl NormKey {
             vec: false,
             vpt: STREAM,
             cluster: false,
+            lanes: 0,
         }
     }
 }
 
 /// Declares the norm kernels: for each line, every dtype with packed access over the register
-/// tiles and the streaming tile, with single-element access over the same (`single all`) or the
-/// streaming tile only (`single stream`), and the cluster instances (packed, every tile, sm_90).
-/// Entry names: `<name>_<dtype>_<v|s><tile suffix>[c]`.
+/// tiles, the streaming tile and the table's segment teams (`(vpt, lanes)`), with single-element
+/// access over the same register and streaming tiles and the table's single-element segment teams
+/// (`single all`) or the streaming tile only (`single stream`), and the cluster instances (packed,
+/// every tile, sm_90). Entry names: `<name>_<dtype>_<v|s><tile suffix>[c]`, segment teams
+/// `<name>_<dtype>_<v|s><vpt>l<lanes>`.
 macro_rules! norm_kernels {
     (
         register_tiles: $tiles:tt;
         $( $table:ident: $params:ty = $body:ident, shared $shared:ident, large $large:ident,
-            registers $registers:ident {
+            registers $registers:ident, segments $segs:tt, single segments $ssegs:tt {
             $( $name:literal => $norm:ident, residual $res:literal, single $single:ident; )*
         } )*
     ) => {
         $( $(
             #[cfg(target_arch = "nvptx64")]
-            norm_kernels!(@export $name, $params, $body, $norm, $res, $single, $tiles);
+            norm_kernels!(@export $name, $params, $body, $norm, $res, $single, $tiles, $segs, $ssegs);
         )* )*
         $(
             #[cfg(not(target_arch = "nvptx64"))]
             pub static $table: Table<NormKey, $params> = Table::new(&[$(
                 &[
-                    norm_kernels!(@group $name, "f32", F32, $params, $body, ($shared, $large, $registers), $norm, $res, packed, $tiles),
-                    norm_kernels!(@group $name, "f32", F32, $params, $body, ($shared, $large, $registers), $norm, $res, $single, $tiles),
-                    norm_kernels!(@group $name, "f32", F32, $params, $body, ($shared, $large, $registers), $norm, $res, cluster, $tiles),
-                    norm_kernels!(@group $name, "f16", F16, $params, $body, ($shared, $large, $registers), $norm, $res, packed, $tiles),
-                    norm_kernels!(@group $name, "f16", F16, $params, $body, ($shared, $large, $registers), $norm, $res, $single, $tiles),
-                    norm_kernels!(@group $name, "f16", F16, $params, $body, ($shared, $large, $registers), $norm, $res, cluster, $tiles),
-                    norm_kernels!(@group $name, "bf16", Bf16, $params, $body, ($shared, $large, $registers), $norm, $res, packed, $tiles),
-                    norm_kernels!(@group $name, "bf16", Bf16, $params, $body, ($shared, $large, $registers), $norm, $res, $single, $tiles),
-                    norm_kernels!(@group $name, "bf16", Bf16, $params, $body, ($shared, $large, $registers), $norm, $res, cluster, $tiles),
+                    norm_kernels!(@group $name, "f32", F32, $params, $body, ($shared, $large, $registers), $norm, $res, packed, $tiles, $segs),
+                    norm_kernels!(@group $name, "f32", F32, $params, $body, ($shared, $large, $registers), $norm, $res, $single, $tiles, $ssegs),
+                    norm_kernels!(@group $name, "f32", F32, $params, $body, ($shared, $large, $registers), $norm, $res, cluster, $tiles, []),
+                    norm_kernels!(@group $name, "f16", F16, $params, $body, ($shared, $large, $registers), $norm, $res, packed, $tiles, $segs),
+                    norm_kernels!(@group $name, "f16", F16, $params, $body, ($shared, $large, $registers), $norm, $res, $single, $tiles, $ssegs),
+                    norm_kernels!(@group $name, "f16", F16, $params, $body, ($shared, $large, $registers), $norm, $res, cluster, $tiles, []),
+                    norm_kernels!(@group $name, "bf16", Bf16, $params, $body, ($shared, $large, $registers), $norm, $res, packed, $tiles, $segs),
+                    norm_kernels!(@group $name, "bf16", Bf16, $params, $body, ($shared, $large, $registers), $norm, $res, $single, $tiles, $ssegs),
+                    norm_kernels!(@group $name, "bf16", Bf16, $params, $body, ($shared, $large, $registers), $norm, $res, cluster, $tiles, []),
                 ]
             ),*]);
         )*
     };
 
     // The PTX entries of one line.
-    (@export $name:literal, $params:ty, $body:ident, $norm:ident, $res:literal, $single:ident, $tiles:tt) => {
-        norm_kernels!(@export_dtype $name, "f32", F32, $params, $body, $norm, $res, $single, $tiles);
-        norm_kernels!(@export_dtype $name, "f16", F16, $params, $body, $norm, $res, $single, $tiles);
-        norm_kernels!(@export_dtype $name, "bf16", Bf16, $params, $body, $norm, $res, $single, $tiles);
+    (@export $name:literal, $params:ty, $body:ident, $norm:ident, $res:literal, $single:ident, $tiles:tt, $segs:tt, $ssegs:tt) => {
+        norm_kernels!(@export_dtype $name, "f32", F32, $params, $body, $norm, $res, $single, $tiles, $segs, $ssegs);
+        norm_kernels!(@export_dtype $name, "f16", F16, $params, $body, $norm, $res, $single, $tiles, $segs, $ssegs);
+        norm_kernels!(@export_dtype $name, "bf16", Bf16, $params, $body, $norm, $res, $single, $tiles, $segs, $ssegs);
     };
     (@export_dtype $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $norm:ident,
-        $res:literal, $single:ident, [$($vpt:literal $sfx:literal),*]) => {
-        $( norm_kernels!(@export_one concat!($name, "_", $dn, "_v", $sfx), $params, $body, $t, true, $vpt, $norm, $res, false); )*
-        norm_kernels!(@export_one concat!($name, "_", $dn, "_vx"), $params, $body, $t, true, 0, $norm, $res, false);
-        norm_kernels!(@export_single $single, $name, $dn, $t, $params, $body, $norm, $res, [$($vpt $sfx),*]);
+        $res:literal, $single:ident, [$($vpt:literal $sfx:literal),*], [$(($svpt:literal, $slanes:literal)),*], $ssegs:tt) => {
+        $( norm_kernels!(@export_one concat!($name, "_", $dn, "_v", $sfx), $params, $body, $t, true, $vpt, $norm, $res, false, 0); )*
+        norm_kernels!(@export_one concat!($name, "_", $dn, "_vx"), $params, $body, $t, true, 0, $norm, $res, false, 0);
+        $( norm_kernels!(@export_one concat!($name, "_", $dn, "_v", $svpt, "l", $slanes), $params, $body, $t, true, $svpt, $norm, $res, false, $slanes); )*
+        norm_kernels!(@export_single $single, $name, $dn, $t, $params, $body, $norm, $res, [$($vpt $sfx),*], $ssegs);
         // Clusters exist from sm_90 on: only that build compiles these.
         #[cfg(target_feature = "sm_90")]
         const _: () = {
-            $( norm_kernels!(@export_one concat!($name, "_", $dn, "_v", $sfx, "c"), $params, $body, $t, true, $vpt, $norm, $res, true); )*
-            norm_kernels!(@export_one concat!($name, "_", $dn, "_vxc"), $params, $body, $t, true, 0, $norm, $res, true);
+            $( norm_kernels!(@export_one concat!($name, "_", $dn, "_v", $sfx, "c"), $params, $body, $t, true, $vpt, $norm, $res, true, 0); )*
+            norm_kernels!(@export_one concat!($name, "_", $dn, "_vxc"), $params, $body, $t, true, 0, $norm, $res, true, 0);
         };
     };
     (@export_single all, $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $norm:ident,
-        $res:literal, [$($vpt:literal $sfx:literal),*]) => {
-        $( norm_kernels!(@export_one concat!($name, "_", $dn, "_s", $sfx), $params, $body, $t, false, $vpt, $norm, $res, false); )*
-        norm_kernels!(@export_one concat!($name, "_", $dn, "_sx"), $params, $body, $t, false, 0, $norm, $res, false);
+        $res:literal, [$($vpt:literal $sfx:literal),*], [$(($svpt:literal, $slanes:literal)),*]) => {
+        $( norm_kernels!(@export_one concat!($name, "_", $dn, "_s", $sfx), $params, $body, $t, false, $vpt, $norm, $res, false, 0); )*
+        norm_kernels!(@export_one concat!($name, "_", $dn, "_sx"), $params, $body, $t, false, 0, $norm, $res, false, 0);
+        $( norm_kernels!(@export_one concat!($name, "_", $dn, "_s", $svpt, "l", $slanes), $params, $body, $t, false, $svpt, $norm, $res, false, $slanes); )*
     };
     (@export_single stream, $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $norm:ident,
-        $res:literal, $tiles:tt) => {
-        norm_kernels!(@export_one concat!($name, "_", $dn, "_sx"), $params, $body, $t, false, 0, $norm, $res, false);
+        $res:literal, $tiles:tt, $ssegs:tt) => {
+        norm_kernels!(@export_one concat!($name, "_", $dn, "_sx"), $params, $body, $t, false, 0, $norm, $res, false, 0);
     };
     (@export_one $entry:expr, $params:ty, $body:ident, $t:ident, $vec:literal, $vpt:literal, $norm:ident,
-        $res:literal, $cluster:literal) => {
+        $res:literal, $cluster:literal, $lanes:literal) => {
         $crate::kernel::kernel!(export $entry, $params,
-            $body::<$crate::element::$t, $vec, $vpt, $norm, $res, $cluster>);
+            $body::<$crate::element::$t, $vec, $vpt, $norm, $res, $cluster, $lanes>);
     };
 
     // The table entries of one line, one group per (dtype, access).
     (@group $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $policy:tt,
-        $norm:ident, $res:literal, packed, [$($vpt:literal $sfx:literal),*]) => {
+        $norm:ident, $res:literal, packed, [$($vpt:literal $sfx:literal),*], [$(($svpt:literal, $slanes:literal)),*]) => {
         &[
-            $( norm_kernels!(@entry concat!($name, "_", $dn, "_v", $sfx), $t, $params, $body, $policy, $norm, $res, true, $vpt, false, 80), )*
-            norm_kernels!(@entry concat!($name, "_", $dn, "_vx"), $t, $params, $body, $policy, $norm, $res, true, 0, false, 80),
+            $( norm_kernels!(@entry concat!($name, "_", $dn, "_v", $sfx), $t, $params, $body, $policy, $norm, $res, true, $vpt, false, 0, 80), )*
+            norm_kernels!(@entry concat!($name, "_", $dn, "_vx"), $t, $params, $body, $policy, $norm, $res, true, 0, false, 0, 80),
+            $( norm_kernels!(@entry concat!($name, "_", $dn, "_v", $svpt, "l", $slanes), $t, $params, $body, $policy, $norm, $res, true, $svpt, false, $slanes, 80), )*
         ]
     };
     (@group $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $policy:tt,
-        $norm:ident, $res:literal, all, [$($vpt:literal $sfx:literal),*]) => {
+        $norm:ident, $res:literal, all, [$($vpt:literal $sfx:literal),*], [$(($svpt:literal, $slanes:literal)),*]) => {
         &[
-            $( norm_kernels!(@entry concat!($name, "_", $dn, "_s", $sfx), $t, $params, $body, $policy, $norm, $res, false, $vpt, false, 80), )*
-            norm_kernels!(@entry concat!($name, "_", $dn, "_sx"), $t, $params, $body, $policy, $norm, $res, false, 0, false, 80),
+            $( norm_kernels!(@entry concat!($name, "_", $dn, "_s", $sfx), $t, $params, $body, $policy, $norm, $res, false, $vpt, false, 0, 80), )*
+            norm_kernels!(@entry concat!($name, "_", $dn, "_sx"), $t, $params, $body, $policy, $norm, $res, false, 0, false, 0, 80),
+            $( norm_kernels!(@entry concat!($name, "_", $dn, "_s", $svpt, "l", $slanes), $t, $params, $body, $policy, $norm, $res, false, $svpt, false, $slanes, 80), )*
         ]
     };
     (@group $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $policy:tt,
-        $norm:ident, $res:literal, stream, $tiles:tt) => {
+        $norm:ident, $res:literal, stream, $tiles:tt, $ssegs:tt) => {
         &[
-            norm_kernels!(@entry concat!($name, "_", $dn, "_sx"), $t, $params, $body, $policy, $norm, $res, false, 0, false, 80),
+            norm_kernels!(@entry concat!($name, "_", $dn, "_sx"), $t, $params, $body, $policy, $norm, $res, false, 0, false, 0, 80),
         ]
     };
     (@group $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $policy:tt,
-        $norm:ident, $res:literal, cluster, [$($vpt:literal $sfx:literal),*]) => {
+        $norm:ident, $res:literal, cluster, [$($vpt:literal $sfx:literal),*], []) => {
         &[
-            $( norm_kernels!(@entry concat!($name, "_", $dn, "_v", $sfx, "c"), $t, $params, $body, $policy, $norm, $res, true, $vpt, true, 90), )*
-            norm_kernels!(@entry concat!($name, "_", $dn, "_vxc"), $t, $params, $body, $policy, $norm, $res, true, 0, true, 90),
+            $( norm_kernels!(@entry concat!($name, "_", $dn, "_v", $sfx, "c"), $t, $params, $body, $policy, $norm, $res, true, $vpt, true, 0, 90), )*
+            norm_kernels!(@entry concat!($name, "_", $dn, "_vxc"), $t, $params, $body, $policy, $norm, $res, true, 0, true, 0, 90),
         ]
     };
     (@entry $entry:expr, $t:ident, $params:ty, $body:ident, ($shared:ident, $large:ident, $registers:ident),
-        $norm:ident, $res:literal, $vec:literal, $vpt:literal, $cluster:literal, $arch:literal) => {{
+        $norm:ident, $res:literal, $vec:literal, $vpt:literal, $cluster:literal, $lanes:literal, $arch:literal) => {{
         const KEY: NormKey = NormKey {
             norm: <$norm as Normalization>::NORM,
             residual: $res,
@@ -221,12 +232,13 @@ macro_rules! norm_kernels {
             vec: $vec,
             vpt: $vpt,
             cluster: $cluster,
+            lanes: $lanes,
         };
         $crate::kernel::kernel!(table $entry, KEY, $arch,
-            $shared::<$norm, $vpt, $res, $cluster>,
+            $shared::<$norm, $vpt, $res, $cluster, $lanes>,
             $large(KEY),
             $registers(KEY),
-            $body::<$crate::element::$t, $vec, $vpt, $norm, $res, $cluster>)
+            $body::<$crate::element::$t, $vec, $vpt, $norm, $res, $cluster, $lanes>)
     }};
 }
 
@@ -235,8 +247,12 @@ norm_kernels! {
     // the streaming tile ([`STREAM`], suffix `x`).
     register_tiles: [1 "1", 2 "2", 4 "4"];
 
+    // Segment teams `(vpt, lanes)`: the forward's reach a row of 1024 16-bit elements (256 of
+    // f32) in one warp, with 4 accesses per lane; the backward's hold 2 (d ≤ 512 at 16 bits),
+    // which leaves room for the row's dγ, dβ and the next row in registers.
     FORWARD: ForwardParams = forward, shared forward_shared_bytes, large forward_large_shared,
-        registers forward_register_budget {
+        registers forward_register_budget, segments [(2, 8), (2, 16), (4, 16), (4, 32)],
+        single segments [(4, 32)] {
         "rms_norm_fwd" => RmsNorm, residual false, single all;
         "layer_norm_fwd" => LayerNorm, residual false, single all;
         // Single-element access serves only views that are not 16-byte aligned: register tiles for
@@ -246,7 +262,8 @@ norm_kernels! {
     }
 
     BACKWARD: BackwardParams = backward, shared backward_shared_bytes, large backward_large_shared,
-        registers backward_register_budget {
+        registers backward_register_budget, segments [(2, 8), (2, 16), (2, 32)],
+        single segments [(4, 32)] {
         "rms_norm_bwd" => RmsNorm, residual false, single all;
         "layer_norm_bwd" => LayerNorm, residual false, single all;
         "rms_norm_bwd_res" => RmsNorm, residual true, single stream;

@@ -4,6 +4,7 @@
 //! shared-memory sizes to the host, whose launch plan reads them from there. The measurements
 //! behind each choice are in `bench-results/h200.md`.
 
+use super::segments::combine_words;
 use super::staged::staged_words_end;
 use super::tile::SharedGamma;
 use super::{Norm, NormKey, Normalization};
@@ -48,30 +49,39 @@ pub(super) const fn gamma_end(centered: bool, vpt: usize, threads: usize) -> usi
     }
 }
 
-/// Dynamic shared memory of a forward block: the reducer's words.
+/// Dynamic shared memory of a forward block: the reducer's words (segment teams sum by shuffles
+/// alone: none).
 pub fn forward_shared_bytes<
     N: Normalization,
     const VPT: usize,
     const RESIDUAL: bool,
     const CLUSTER: bool,
+    const LANES: usize,
 >(
     _threads: usize,
 ) -> usize {
-    ROW_REDUCER_SHARED_WORDS * 4
+    if LANES != 0 {
+        0
+    } else {
+        ROW_REDUCER_SHARED_WORDS * 4
+    }
 }
 
 /// Dynamic shared memory of a backward block of `threads` threads: the reducer's words, γ where
-/// [`gamma_in_shared`], and the rows in flight where [`staged`].
+/// [`gamma_in_shared`], the rows in flight where [`staged`], and the segment teams' combine area.
 pub fn backward_shared_bytes<
     N: Normalization,
     const VPT: usize,
     const RESIDUAL: bool,
     const CLUSTER: bool,
+    const LANES: usize,
 >(
     threads: usize,
 ) -> usize {
     let end = gamma_end(N::CENTERED, VPT, threads);
-    let words = if staged(CLUSTER, RESIDUAL, VPT) {
+    let words = if LANES != 0 {
+        combine_words(end, VPT, LANES).1
+    } else if staged(CLUSTER, RESIDUAL, VPT) {
         staged_words_end(end, VPT, threads)
     } else {
         end
@@ -94,7 +104,12 @@ pub const fn backward_large_shared(key: NormKey) -> bool {
 /// costs a resident block (an SM has 65536 registers: 256-thread blocks fit two at up to 128,
 /// four at up to 64) and which fits the smaller budget without spilling.
 const fn layer_norm_two_packs(key: NormKey) -> bool {
-    matches!(key.norm, Norm::Layer) && !key.residual && key.vec && key.vpt == 2 && !key.cluster
+    matches!(key.norm, Norm::Layer)
+        && !key.residual
+        && key.vec
+        && key.vpt == 2
+        && !key.cluster
+        && key.lanes == 0
 }
 
 /// Registers per thread of a forward instance (0: ptxas's choice). The LayerNorm 2-pack tile

@@ -203,7 +203,7 @@ pub(super) unsafe fn backward_staged<
     let ring = unsafe {
         StagedRows::<T, VPT>::new(gamma_end(N::CENTERED, VPT, arch::block_dim()), team, d)
     };
-    let mut reducer = unsafe { RowReducer::new(team.cluster) };
+    let mut reducer = unsafe { RowReducer::new(team) };
     let tile = unsafe { BackwardTile::<T, VEC, VPT, N, Plain>::new(p, src, team) };
     let (per_group, rows) = (p.rows_per_group as usize, p.rows as usize);
     let group_rows = |group: usize| {

@@ -52,13 +52,16 @@ fn weight_offset_and_recomputed_statistics<T: TestDtype, B: Backend>(
 // The CPU emulator: the same kernel bodies that are compiled to PTX, on small shapes.
 
 /// Odd d, rows not a multiple of the 16-row group, packed and single-element access, strided
-/// rows, and a row too wide for registers (the streaming instance).
-const EMULATED_SHAPES: [Shape; 8] = [
+/// rows, and a row too wide for registers (the streaming instance). Rows of up to 512 (1024 in the
+/// forward) take segment teams, several rows per warp: 4500 rows of 24 are groups of 16 rows
+/// over a block's 32 teams of 8 lanes.
+const EMULATED_SHAPES: [Shape; 9] = [
     (1, 1, 1, 0),
     (3, 7, 7, 0),
     (17, 64, 64, 0),
     (33, 64, 72, 0),
     (5, 127, 130, 1),
+    (4500, 24, 32, 0),
     (20, 1000, 1000, 0),
     (2, 1024, 1024, 1),
     (2, 8200, 8200, 1),
@@ -178,8 +181,12 @@ fn emulated_small_batches_split_over_clusters() {
 }
 
 /// Every d of the acceptance list, each with a row count from its list so every count appears;
-/// and small batches of rows split over clusters (groups of one and of four rows).
-const GPU_SHAPES: [(usize, usize); 18] = [
+/// small batches of rows split over clusters (groups of one and of four rows); and narrow rows
+/// over many groups of segment teams (QK-norm's 128; 100 by single-element access).
+const GPU_SHAPES: [(usize, usize); 21] = [
+    (65536, 128),
+    (20000, 256),
+    (9000, 100),
     (16384, 1),
     (1000, 2),
     (64, 3),
