@@ -16,14 +16,20 @@ use crate::kernel::{Dtype, Table};
 /// the fp32 partial rows (written and read once) stay a few percent of a backward's traffic.
 pub const MAX_GROUPS: usize = 512;
 pub const MIN_ROWS_PER_GROUP: usize = 16;
-/// Rows of at most this many elements may take more groups, up to [`MAX_NARROW_GROUPS`]: their
-/// backward runs segment teams (`crate::norm::segments`), a block per group and many rows per
-/// block at a time, so a group is cheap to close (one combine of the block's teams), and 1024 of
-/// them keep about four blocks on every SM while their partial rows stay a small part of the
-/// traffic and the column sum short. (Block teams, where the access cannot use a segment, walk
-/// the same groups a block each.)
+/// Rows of at most this many elements may take more groups, `2²¹ / d` up to
+/// [`MAX_NARROW_GROUPS`]. A narrow row is little work for the block walking it, and each group is
+/// walked by one block: 512 groups left 1 Mi rows of 512 to 512 blocks of two warps each. (Rows of
+/// 1024 and 2048 gained in the plain backward with more groups but lost more with a fused
+/// residual, whose column sums then cost more than the parallelism gave: they keep 512;
+/// `bench-results/h200.md` has both.)
 pub const NARROW_ROW_ELEMS: usize = 512;
-pub const MAX_NARROW_GROUPS: usize = 1024;
+pub const MAX_NARROW_GROUPS: usize = 8192;
+/// Rows of at most this many elements take at most [`SEGMENT_ROW_GROUPS`] groups: their backward
+/// runs segment teams (`crate::norm::segments`) — a block per group, many rows at a time — so a
+/// group of many rows is no slower, 1024 of them keep about three blocks on every SM, and the
+/// partial rows and their column sum stay small (8192 groups of 128 rows had one block sum 4 MB).
+pub const SEGMENT_ROW_ELEMS: usize = 256;
+pub const SEGMENT_ROW_GROUPS: usize = 1024;
 /// Most groups of a small batch (see [`group_layout`]).
 pub const SMALL_BATCH_GROUPS: usize = 256;
 /// Elements of a small batch per row of each of its groups (see [`group_layout`]).
@@ -57,8 +63,10 @@ pub const MIN_WIDE_ROWS_PER_GROUP: usize = 4;
 /// for each number of rounds (at most `MAX_GROUPS / WIDE_ROW_TEAMS + 1`, as there are at most
 /// `MAX_GROUPS` groups) only the smallest group size that needs no more rounds can be cheapest.
 pub fn group_layout(rows: usize, d: usize) -> (usize, usize) {
-    let most_groups = if d <= NARROW_ROW_ELEMS {
-        MAX_NARROW_GROUPS
+    let most_groups = if d <= SEGMENT_ROW_ELEMS {
+        SEGMENT_ROW_GROUPS
+    } else if d <= NARROW_ROW_ELEMS {
+        ((1 << 21) / d).min(MAX_NARROW_GROUPS)
     } else {
         MAX_GROUPS
     };

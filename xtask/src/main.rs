@@ -8,7 +8,14 @@
 //!   kernel; fail when any kernel has a stack frame or spills.
 //! - `bundle [DIR]`: build the release test, bench and example executables and collect them with `run.sh`
 //!   into DIR (default `bundle/`), for a GPU host that has a driver but no Rust toolchain.
-//! - `bench [ARGS]`: run the benchmark binary here.
+//! - `bench [ARGS]`: run the benchmark binary here (`--sweep [--csv PATH]`: the norms over d as CSV,
+//!   a relative PATH from the workspace root).
+//! - `plot-sweep --csv FILE [--peers FILE] [--out FILE]`: draw a sweep's CSV as a PNG (% of copy
+//!   against d), the best of `shared/peers/peers.py`'s JSON dashed; by default beside the CSV.
+//!   Needs the `plot` feature: `cargo run --release -p xtask --features plot -- plot-sweep …`.
+
+#[cfg(feature = "plot")]
+mod plot;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -28,8 +35,16 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|| root().join("bundle")),
         ),
         Some("bench") => bench(&args[1..]),
+        #[cfg(feature = "plot")]
+        Some("plot-sweep") => plot::plot_sweep(&args[1..]),
+        #[cfg(not(feature = "plot"))]
+        Some("plot-sweep") => {
+            Err("plot-sweep needs the plot feature: cargo run --release -p xtask --features plot -- plot-sweep …".into())
+        }
         _ => Err(
-            "usage: cargo xtask <build-ptx [--check] | ptxas | bundle [DIR] | bench [ARGS]>".into(),
+            "usage: cargo xtask <build-ptx [--check] | ptxas | bundle [DIR] | bench [ARGS] \
+             | plot-sweep --csv FILE [--peers FILE] [--out FILE]>"
+                .into(),
         ),
     };
     match result {

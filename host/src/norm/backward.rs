@@ -466,16 +466,15 @@ pub(crate) mod tests {
     #[test]
     fn narrow_rows_take_segment_teams_a_block_per_group() {
         for (d, name) in [
-            (128, "layer_norm_bwd_bf16_v2l8"),
-            (256, "layer_norm_bwd_bf16_v2l16"),
-            (512, "layer_norm_bwd_bf16_v2l32"),
+            (128, "layer_norm_bwd_bf16_v1l16"),
+            (256, "layer_norm_bwd_bf16_v1l32"),
         ] {
             let plan = plan(&call(Norm::Layer, 1 << 20, d), &H200).unwrap();
             let rows = plan.rows.unwrap();
             assert_eq!((rows.kernel.name, rows.block), (name, 256));
             assert!(rows.grid <= 1024, "{d}: a block per group of 1024");
         }
-        let wider = plan(&call(Norm::Layer, 1 << 20, 1024), &H200).unwrap();
+        let wider = plan(&call(Norm::Layer, 1 << 20, 512), &H200).unwrap();
         assert_eq!(wider.rows.unwrap().kernel.key.lanes, 0);
     }
 
@@ -646,8 +645,12 @@ pub(crate) mod tests {
     #[test]
     fn group_layouts_match_the_exhaustive_search() {
         fn scan(rows: usize, d: usize) -> (usize, usize) {
-            // Rows of at most 512: up to 1024 groups.
-            let most = if d <= 512 { 1024 } else { 512 };
+            // Rows of at most 256: up to 1024 groups; of at most 512: 2²¹ / d.
+            let most = match d {
+                ..=256 => 1024,
+                ..=512 => (1 << 21) / d,
+                _ => 512,
+            };
             let fewest = rows.div_ceil(most);
             let default = fewest.max(16);
             let per_group = if d > 32768 {
@@ -667,7 +670,7 @@ pub(crate) mod tests {
             .chain((3000..200_000).step_by(997))
             .chain([1 << 20, 1 << 24]);
         for rows in rows {
-            for d in [1, 128, 512, 513, 4096, 32768, 32769, 65536] {
+            for d in [1, 128, 256, 257, 512, 513, 4096, 32768, 32769, 65536] {
                 assert_eq!(group_layout(rows, d), scan(rows, d), "{rows}×{d}");
             }
         }
@@ -699,7 +702,7 @@ pub(crate) mod tests {
         // Narrow rows: more groups, so that about four blocks of segment teams per SM walk
         // them (QK-norm's d = 128).
         assert_eq!(group_layout(1 << 20, 128), (1024, 1024));
-        assert_eq!(group_layout(262144, 512), (256, 1024));
+        assert_eq!(group_layout(262144, 512), (64, 4096));
         assert_eq!(group_layout(65536, 1024), (128, 512));
         assert_eq!(
             workspace_len(Norm::Layer, 16384, 4096),

@@ -247,9 +247,10 @@ norm_kernels! {
     // the streaming tile ([`STREAM`], suffix `x`).
     register_tiles: [1 "1", 2 "2", 4 "4"];
 
-    // Segment teams `(vpt, lanes)`: the forward's reach a row of 1024 16-bit elements (256 of
-    // f32) in one warp, with 4 accesses per lane; the backward's hold 2 (d ≤ 512 at 16 bits),
-    // which leaves room for the row's dγ, dβ and the next row in registers.
+    // Segment teams `(vpt, lanes)`: the forward's reach a row of 1024 16-bit elements (512 of
+    // f32) in one warp, with 4 accesses per lane. The backward's hold one access per lane (d ≤ 256
+    // at 16 bits): a thread holds x, dy, γ, dγ, dβ and the next row, and two accesses took 200
+    // registers, one block per SM, slower at d = 512 than the block tile.
     FORWARD: ForwardParams = forward, shared forward_shared_bytes, large forward_large_shared,
         registers forward_register_budget, segments [(2, 8), (2, 16), (4, 16), (4, 32)],
         single segments [(4, 32)] {
@@ -262,7 +263,7 @@ norm_kernels! {
     }
 
     BACKWARD: BackwardParams = backward, shared backward_shared_bytes, large backward_large_shared,
-        registers backward_register_budget, segments [(2, 8), (2, 16), (2, 32)],
+        registers backward_register_budget, segments [(1, 16), (1, 32)],
         single segments [(4, 32)] {
         "rms_norm_bwd" => RmsNorm, residual false, single all;
         "layer_norm_bwd" => LayerNorm, residual false, single all;

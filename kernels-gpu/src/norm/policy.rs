@@ -123,5 +123,13 @@ pub const fn forward_register_budget(key: NormKey) -> u32 {
 /// (d = 2048..4096 at 16 bits): its dβ partials and μ took it to 153–161 registers, one block per
 /// SM; it fits 128 without spilling.
 pub const fn backward_register_budget(key: NormKey) -> u32 {
-    if layer_norm_two_packs(key) { 128 } else { 0 }
+    if layer_norm_two_packs(key) {
+        128
+    } else if key.lanes != 0 && !key.residual {
+        // Segment teams (256 threads): 80 keep three blocks per SM where ptxas's own choice
+        // (about 115) kept two, without spilling.
+        80
+    } else {
+        0
+    }
 }

@@ -2,9 +2,10 @@
 //! (`./run.sh sanitize` in a bundle runs this under memcheck, racecheck, initcheck and synccheck).
 //! The shapes reach each tile family on an H200: block register tiles (d up to 8192), clusters
 //! of register tiles and the staged backward (16384, 65536), streaming (131072), single-element
-//! access (d not a multiple of the pack, rows off 16-byte alignment), the residual forms, saved
-//! and recomputed statistics, and every activation kernel. It checks that every call succeeds;
-//! correctness is the tests' job.
+//! access (d not a multiple of the pack, rows off 16-byte alignment), segment teams of 8 to 32
+//! lanes (d up to 1024, several rows per warp, the backward's per-group combine), the residual
+//! forms, saved and recomputed statistics, and every activation kernel. It checks that every call
+//! succeeds; correctness is the tests' job.
 
 use std::sync::Arc;
 
@@ -15,8 +16,11 @@ use normkern::{Context, Gpu, NormBackward, NormForward, Rows, RowsRef, layer_nor
 use normkern_tests::{Rng, TestDtype};
 
 /// (rows, d): enough rows for every team to take work, few enough for racecheck.
-const NORM_SHAPES: [(usize, usize); 8] = [
+const NORM_SHAPES: [(usize, usize); 11] = [
     (40, 64),
+    (300, 256),
+    (70, 512),
+    (33, 1024),
     (24, 2048),
     (24, 4096),
     (24, 8192),

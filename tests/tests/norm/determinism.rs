@@ -146,8 +146,12 @@ fn workspace_and_groups_depend_on_the_shape_only() {
                 per_group * groups >= rows && per_group * (groups - 1) < rows,
                 "rows {rows}, d {d}"
             );
-            // Rows of at most 512 may take up to 1024 groups.
-            let most = if d <= 512 { 1024 } else { 512 };
+            // Rows of at most 256 may take up to 1024 groups, of at most 512 up to 2²¹ / d.
+            let most = match d {
+                ..=256 => 1024,
+                ..=512 => (1 << 21) / d,
+                _ => 512,
+            };
             assert!(groups <= most, "rows {rows}, d {d}: {groups} groups");
             // The single launch's barrier words, then the partial rows.
             let sync = normkern_gpu::column_sum::GROUP_SUMS_SYNC_WORDS;

@@ -40,13 +40,13 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
     let mut ws = stream
         .alloc_zeros::<f32>(activation::workspace_len(rows, d).unwrap())
         .unwrap();
-    let shape = format!("{rows}×{d}");
     let tensor = (n * 2) as f64;
     let mut out = Vec::new();
     let mut record = |op: String, timing: Timing, bytes: f64| {
         out.push(Measurement {
             op: leak(op),
-            shape: shape.clone(),
+            rows,
+            d,
             dtype: "bf16",
             timing,
             bytes,

@@ -1,11 +1,14 @@
 //! normkern's benchmark: every op against the device's copy bandwidth, measured in the same run.
 //!
 //! `cargo xtask bench [--reps N] [--warmup N] [--quick] [--shapes RxD,...] [--untracked]
-//! [--param-grads] [--strategy auto|two-pass|single-launch]`, or `./bench` in a bundle (`--param-grads`: only the small-batch latency and
-//! parameter-gradient strategy tables). Times are medians of CUDA event timings after warm-up; inputs rotate over enough sets
-//! to exceed L2; bytes count the minimal traffic (each input read once, each output written
-//! once). "host µs per call" is the median CPU time of the call itself (validation, launch plan,
-//! enqueueing).
+//! [--param-grads] [--strategy auto|two-pass|single-launch] [--sweep] [--csv PATH]`, or `./bench`
+//! in a bundle (`--param-grads`: only the small-batch latency and parameter-gradient strategy
+//! tables; `--sweep`: the norms over d = 128 … 65536 at 64 Mi elements, bf16, RMSNorm also in f32
+//! and f16, 50 reps unless `--reps` says otherwise; `--csv PATH`: the table as CSV too, for
+//! `cargo xtask plot-sweep`, by default `sweep.csv` with `--sweep`). Times are medians of CUDA
+//! event timings after warm-up; inputs rotate over enough sets to exceed L2; bytes count the
+//! minimal traffic (each input read once, each output written once). "host µs per call" is the
+//! median CPU time of the call itself (validation, launch plan, enqueueing).
 
 mod activation;
 mod norm;
@@ -16,11 +19,33 @@ use normkern_tests::bench::{Timing, copy_bandwidth, launch_floor_us};
 
 /// One measured row of the table.
 pub struct Measurement {
+    /// The op and direction, as the table labels them: "rms_norm fwd", "rms_norm bwd + dresidual".
     pub op: &'static str,
-    pub shape: String,
+    pub rows: usize,
+    pub d: usize,
     pub dtype: &'static str,
     pub timing: Timing,
     pub bytes: f64,
+}
+
+impl Measurement {
+    fn gbs(&self) -> f64 {
+        self.bytes / (self.timing.device_us * 1e-6) / 1e9
+    }
+
+    fn pct_of(&self, copy_gbs: f64) -> f64 {
+        100.0 * self.gbs() / copy_gbs
+    }
+
+    /// The label split into the op and its direction (the word that starts with fwd or bwd):
+    /// "rms_norm bwd + dresidual" is ("rms_norm + dresidual", "bwd").
+    fn op_and_direction(&self) -> (String, &'static str) {
+        let is_direction = |word: &str| word.starts_with("fwd") || word.starts_with("bwd");
+        let words = self.op.split(' ');
+        let direction = words.clone().find(|w| is_direction(w)).unwrap_or("");
+        let op = words.filter(|w| !is_direction(w)).collect::<Vec<_>>();
+        (op.join(" "), direction)
+    }
 }
 
 /// Benchmark settings from the command line.
@@ -36,12 +61,11 @@ pub struct Settings {
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let value = |flag: &str| {
-        args.iter()
-            .position(|a| a == flag)
-            .and_then(|i| args.get(i + 1))
-            .and_then(|v| v.parse().ok())
-    };
+    // The value after `flag`, parsed (a number, a path).
+    fn value<T: std::str::FromStr>(args: &[String], flag: &str) -> Option<T> {
+        let i = args.iter().position(|a| a == flag)?;
+        args.get(i + 1)?.parse().ok()
+    }
     let strategy = match args
         .iter()
         .position(|a| a == "--strategy")
@@ -56,10 +80,13 @@ fn main() {
             return;
         }
     };
+    // The sweep measures 100 rows: fewer reps and warm-ups than the fixed shapes keep it short.
+    let sweep = args.iter().any(|a| a == "--sweep");
+    let csv: Option<String> = value(&args, "--csv").or(sweep.then(|| "sweep.csv".into()));
     let settings = Settings {
         strategy,
-        reps: value("--reps").unwrap_or(200),
-        warmup: 20,
+        reps: value(&args, "--reps").unwrap_or(if sweep { 50 } else { 200 }),
+        warmup: value(&args, "--warmup").unwrap_or(if sweep { 10 } else { 20 }),
         quick: args.iter().any(|a| a == "--quick"),
         shapes: args
             .iter()
@@ -101,9 +128,13 @@ fn main() {
         return;
     }
     let mut results = Vec::new();
-    results.extend(norm::run(&ctx, &stream, &settings));
-    if settings.shapes.is_none() {
-        results.extend(activation::run(&ctx, &stream, &settings));
+    if sweep {
+        results.extend(norm::sweep(&ctx, &stream, &settings));
+    } else {
+        results.extend(norm::run(&ctx, &stream, &settings));
+        if settings.shapes.is_none() {
+            results.extend(activation::run(&ctx, &stream, &settings));
+        }
     }
     println!();
     println!(
@@ -118,16 +149,50 @@ fn main() {
     println!("| op | rows×d | dtype | µs | GB/s | % of copy | host µs per call |");
     println!("|---|---|---|---:|---:|---:|---:|");
     for m in &results {
-        let gbs = m.bytes / (m.timing.device_us * 1e-6) / 1e9;
         println!(
-            "| {} | {} | {} | {:.1} | {:.0} | {:.1} | {:.1} |",
+            "| {} | {}×{} | {} | {:.1} | {:.0} | {:.1} | {:.1} |",
             m.op,
-            m.shape,
+            m.rows,
+            m.d,
             m.dtype,
             m.timing.device_us,
-            gbs,
-            100.0 * gbs / copy,
+            m.gbs(),
+            m.pct_of(copy),
             m.timing.host_us
         );
     }
+    if let Some(path) = csv {
+        match std::fs::write(&path, to_csv(&results, copy)) {
+            Ok(()) => println!("wrote {path}"),
+            Err(e) => println!("bench: cannot write {path}: {e}"),
+        }
+    }
+}
+
+/// The results as CSV, one line per row of the table.
+fn to_csv(results: &[Measurement], copy: f64) -> String {
+    // Quoted where a field holds a comma ("bf16, f32 residual").
+    let field = |s: &str| {
+        if s.contains([',', '"']) {
+            format!("\"{}\"", s.replace('"', "\"\""))
+        } else {
+            s.to_string()
+        }
+    };
+    let mut csv = String::from("op,direction,dtype,rows,d,us,gbs,pct_of_copy,copy_gbs,host_us\n");
+    for m in results {
+        let (op, direction) = m.op_and_direction();
+        csv += &format!(
+            "{},{direction},{},{},{},{:.2},{:.1},{:.2},{copy:.1},{:.2}\n",
+            field(&op),
+            field(m.dtype),
+            m.rows,
+            m.d,
+            m.timing.device_us,
+            m.gbs(),
+            m.pct_of(copy),
+            m.timing.host_us
+        );
+    }
+    csv
 }

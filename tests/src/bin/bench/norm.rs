@@ -1,12 +1,12 @@
 //! RMSNorm and LayerNorm (with bias), forward and backward; RMSNorm with the residual add fused
-//! in, the residual stream in bf16 and in f32.
+//! in, the residual stream in bf16 and in f32; and the sweep over d (`--sweep`).
 
 use std::sync::Arc;
 
-use half::bf16;
-use normkern::cudarc::driver::{CudaSlice, CudaStream};
+use half::{bf16, f16};
+use normkern::cudarc::driver::{CudaSlice, CudaStream, ValidAsZeroBits};
 use normkern::{Context, NormBackward, NormForward, Rows, layer_norm, rms_norm};
-use normkern_tests::bench::time;
+use normkern_tests::bench::{Timing, time};
 use normkern_tests::{Rng, TestDtype};
 
 use crate::{Measurement, Settings};
@@ -17,17 +17,83 @@ const EPS: f32 = 1e-6;
 /// H200's L2 is 60 MB (50 MiB on H100): rotate over input sets that together exceed it 3×.
 const ROTATE_BYTES: usize = 180 << 20;
 
-struct Set {
-    x: CudaSlice<bf16>,
-    dy: CudaSlice<bf16>,
-    y: CudaSlice<bf16>,
-    dx: CudaSlice<bf16>,
+/// The d of the sweep: the powers of two from 128 (one attention head) to 64 Ki.
+const SWEEP_DS: [usize; 10] = [128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536];
+
+/// Elements of every sweep shape (rows = this / d): 64 Mi, far beyond L2 at any d.
+const SWEEP_ELEMENTS: usize = 1 << 26;
+
+/// One input set of the plain norms, rows in `T`.
+struct Set<T: TestDtype> {
+    x: CudaSlice<T>,
+    dy: CudaSlice<T>,
+    y: CudaSlice<T>,
+    dx: CudaSlice<T>,
     mean: CudaSlice<f32>,
     rstd: CudaSlice<f32>,
 }
 
+/// Operands of the plain norms at `rows × d` in `T`: input sets rotated to exceed L2, and the
+/// parameters and their gradients (read and written by every call, so they stay in L2 anyway).
+struct Operands<T: TestDtype> {
+    rows: usize,
+    d: usize,
+    sets: Vec<Set<T>>,
+    gamma: CudaSlice<T>,
+    beta: CudaSlice<T>,
+    dgamma: CudaSlice<T>,
+    dbeta: CudaSlice<T>,
+    workspace: CudaSlice<f32>,
+}
+
+impl<T: TestDtype + ValidAsZeroBits> Operands<T> {
+    fn new(stream: &Arc<CudaStream>, rng: &mut Rng, (rows, d): (usize, usize)) -> Self {
+        let n = rows * d;
+        let sets_needed = (ROTATE_BYTES / (4 * n * size_of::<T>())).max(2);
+        let host_x: Vec<T> = rng.vec(n, -2.0, 2.0);
+        let host_dy: Vec<T> = rng.vec(n, -1.0, 1.0);
+        let sets = (0..sets_needed)
+            .map(|_| Set {
+                x: stream.clone_htod(&host_x).unwrap(),
+                dy: stream.clone_htod(&host_dy).unwrap(),
+                y: stream.alloc_zeros(n).unwrap(),
+                dx: stream.alloc_zeros(n).unwrap(),
+                mean: stream.alloc_zeros(rows).unwrap(),
+                rstd: stream.alloc_zeros(rows).unwrap(),
+            })
+            .collect();
+        // LayerNorm's workspace holds dβ's partials too: enough for RMSNorm's as well.
+        let workspace_len = layer_norm::workspace_len(rows, d).unwrap();
+        Operands {
+            rows,
+            d,
+            sets,
+            gamma: stream.clone_htod(&rng.vec::<T>(d, 0.5, 1.5)).unwrap(),
+            beta: stream.clone_htod(&rng.vec::<T>(d, -0.5, 0.5)).unwrap(),
+            dgamma: stream.alloc_zeros(d).unwrap(),
+            dbeta: stream.alloc_zeros(d).unwrap(),
+            workspace: stream.alloc_zeros(workspace_len).unwrap(),
+        }
+    }
+}
+
+impl<T: TestDtype> Operands<T> {
+    /// A measured row of this shape and dtype.
+    fn measurement(&self, op: &'static str, timing: Timing, bytes: usize) -> Measurement {
+        Measurement {
+            op,
+            rows: self.rows,
+            d: self.d,
+            dtype: T::NAME,
+            timing,
+            bytes: bytes as f64,
+        }
+    }
+}
+
+/// The bench's fixed shapes: RMSNorm and LayerNorm forward and backward, and RMSNorm with the
+/// residual add (bf16 and f32 residual stream), all bf16.
 pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measurement> {
-    let gpu = ctx.on(stream).expect("the stream is the context's");
     let shapes: &[(usize, usize)] = if let Some(shapes) = &s.shapes {
         shapes
     } else if s.quick {
@@ -44,134 +110,169 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
     };
     let mut out = Vec::new();
     let mut rng = Rng::seeded(7);
-    for &(rows, d) in shapes {
-        let n = rows * d;
-        let sets_needed = (ROTATE_BYTES / (4 * n * 2)).max(2);
-        let host_x: Vec<bf16> = rng.vec(n, -2.0, 2.0);
-        let host_dy: Vec<bf16> = rng.vec(n, -1.0, 1.0);
-        let sets: Vec<Set> = (0..sets_needed)
-            .map(|_| Set {
-                x: stream.clone_htod(&host_x).unwrap(),
-                dy: stream.clone_htod(&host_dy).unwrap(),
-                y: stream.alloc_zeros(n).unwrap(),
-                dx: stream.alloc_zeros(n).unwrap(),
-                mean: stream.alloc_zeros(rows).unwrap(),
-                rstd: stream.alloc_zeros(rows).unwrap(),
-            })
-            .collect();
-        let gamma = stream.clone_htod(&rng.vec::<bf16>(d, 0.5, 1.5)).unwrap();
-        let beta = stream.clone_htod(&rng.vec::<bf16>(d, -0.5, 0.5)).unwrap();
-        let mut dgamma = stream.alloc_zeros::<bf16>(d).unwrap();
-        let mut dbeta = stream.alloc_zeros::<bf16>(d).unwrap();
-        let ws_len = layer_norm::workspace_len(rows, d).unwrap();
-        let mut ws = stream.alloc_zeros::<f32>(ws_len).unwrap();
-        let mut sets = sets;
-        let shape = format!("{rows}×{d}");
-
-        let fwd = time(ctx.cuda(), stream, s.warmup, s.reps, |i| {
-            let k = i % sets.len();
-            let set = &mut sets[k];
-            let x = Rows::new(set.x.as_view(), rows, d).unwrap();
-            let y = Rows::new(set.y.as_view_mut(), rows, d).unwrap();
-            let args = NormForward::new(x, gamma.as_view(), y).eps(EPS);
-            rms_norm::forward(&gpu, args.rstd(set.rstd.as_view_mut())).unwrap();
-        });
-        // x read, y written, rstd written, γ read.
-        let fwd_bytes = (2 * n * 2 + rows * 4 + d * 2) as f64;
-        out.push(Measurement {
-            op: "rms_norm fwd",
-            shape: shape.clone(),
-            dtype: "bf16",
-            timing: fwd,
-            bytes: fwd_bytes,
-        });
-
-        let bwd = time(ctx.cuda(), stream, s.warmup, s.reps, |i| {
-            let k = i % sets.len();
-            let set = &mut sets[k];
-            let x = Rows::new(set.x.as_view(), rows, d).unwrap();
-            let dy = Rows::new(set.dy.as_view(), rows, d).unwrap();
-            let dx = Rows::new(set.dx.as_view_mut(), rows, d).unwrap();
-            let (dgamma, ws) = (dgamma.as_view_mut(), ws.as_view_mut());
-            let args = NormBackward::new(dy, x, gamma.as_view(), dx, dgamma, ws).eps(EPS);
-            let args = args.param_gradients(s.strategy);
-            rms_norm::backward(&gpu, args.rstd(set.rstd.as_view())).unwrap();
-        });
-        // x and dy read, dx written, rstd and γ read, dγ written (the workspace is not counted).
-        let bwd_bytes = (3 * n * 2 + rows * 4 + 2 * d * 2) as f64;
-        out.push(Measurement {
-            op: "rms_norm bwd",
-            shape,
-            dtype: "bf16",
-            timing: bwd,
-            bytes: bwd_bytes,
-        });
-        eprintln!(
-            "rms_norm {rows}×{d}: fwd {:.1} µs, bwd {:.1} µs",
-            fwd.device_us, bwd.device_us
-        );
-
-        let fwd = time(ctx.cuda(), stream, s.warmup, s.reps, |i| {
-            let k = i % sets.len();
-            let Set {
-                x, y, mean, rstd, ..
-            } = &mut sets[k];
-            let x = Rows::new(x.as_view(), rows, d).unwrap();
-            let y = Rows::new(y.as_view_mut(), rows, d).unwrap();
-            let args = NormForward::new(x, gamma.as_view(), y).eps(EPS);
-            let args = args.bias(beta.as_view());
-            layer_norm::forward(&gpu, args.mean(mean.as_view_mut()).rstd(rstd.as_view_mut()))
-                .unwrap();
-        });
-        // x read, y written, mean and rstd written, γ and β read.
-        let bytes = (2 * n * 2 + 2 * rows * 4 + 2 * d * 2) as f64;
-        out.push(Measurement {
-            op: "layer_norm fwd",
-            shape: format!("{rows}×{d}"),
-            dtype: "bf16",
-            timing: fwd,
-            bytes,
-        });
-        let bwd = time(ctx.cuda(), stream, s.warmup, s.reps, |i| {
-            let k = i % sets.len();
-            let Set {
-                x,
-                dy,
-                dx,
-                mean,
-                rstd,
-                ..
-            } = &mut sets[k];
-            let dy = Rows::new(dy.as_view(), rows, d).unwrap();
-            let x = Rows::new(x.as_view(), rows, d).unwrap();
-            let dx = Rows::new(dx.as_view_mut(), rows, d).unwrap();
-            let (dgamma, ws) = (dgamma.as_view_mut(), ws.as_view_mut());
-            let args = NormBackward::new(dy, x, gamma.as_view(), dx, dgamma, ws).eps(EPS);
-            let args = args.param_gradients(s.strategy);
-            let args = args.mean_rstd(mean.as_view(), rstd.as_view());
-            layer_norm::backward(&gpu, args.dbias(dbeta.as_view_mut())).unwrap();
-        });
-        // x and dy read, dx written, mean, rstd and γ read, dγ and dβ written.
-        let bytes = (3 * n * 2 + 2 * rows * 4 + 3 * d * 2) as f64;
-        out.push(Measurement {
-            op: "layer_norm bwd",
-            shape: format!("{rows}×{d}"),
-            dtype: "bf16",
-            timing: bwd,
-            bytes,
-        });
-        eprintln!(
-            "layer_norm {rows}×{d}: fwd {:.1} µs, bwd {:.1} µs",
-            fwd.device_us, bwd.device_us
-        );
-        drop(sets);
-        let shape = (rows, d);
-        let on = (ctx, stream);
-        out.extend(rms_norm_residual::<bf16>(on, s, &mut rng, shape, "bf16"));
+    let on = (ctx, stream);
+    for &shape in shapes {
+        out.extend(bf16_norms(on, s, &mut rng, shape));
         let dtype = "bf16, f32 residual";
         out.extend(rms_norm_residual::<f32>(on, s, &mut rng, shape, dtype));
     }
     out
+}
+
+/// The sweep over d at 64 Mi elements: RMSNorm and LayerNorm forward and backward and RMSNorm
+/// with the residual add (bf16 residual stream), all bf16; RMSNorm also in f32 and f16, so a
+/// dtype that falls off a cliff at some d shows.
+pub fn sweep(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measurement> {
+    let mut out = Vec::new();
+    let mut rng = Rng::seeded(7);
+    let on = (ctx, stream);
+    for d in SWEEP_DS {
+        let shape = (SWEEP_ELEMENTS / d, d);
+        out.extend(bf16_norms(on, s, &mut rng, shape));
+        out.extend(rms_norm_fwd_bwd(
+            on,
+            s,
+            &mut Operands::<f32>::new(stream, &mut rng, shape),
+        ));
+        out.extend(rms_norm_fwd_bwd(
+            on,
+            s,
+            &mut Operands::<f16>::new(stream, &mut rng, shape),
+        ));
+    }
+    out
+}
+
+/// What the bench and the sweep both measure in bf16 at one shape: RMSNorm, LayerNorm, and RMSNorm
+/// with the residual add (bf16 residual stream).
+fn bf16_norms(
+    on: (&Context, &Arc<CudaStream>),
+    s: &Settings,
+    rng: &mut Rng,
+    shape: (usize, usize),
+) -> Vec<Measurement> {
+    let mut operands = Operands::<bf16>::new(on.1, rng, shape);
+    let mut out = Vec::from(rms_norm_fwd_bwd(on, s, &mut operands));
+    out.extend(layer_norm_fwd_bwd(on, s, &mut operands));
+    // Freed before the residual's sets are allocated.
+    drop(operands);
+    out.extend(rms_norm_residual::<bf16>(on, s, rng, shape, "bf16"));
+    out
+}
+
+/// RMSNorm's forward (saving rstd) and its backward (from the saved rstd).
+fn rms_norm_fwd_bwd<T: TestDtype>(
+    (ctx, stream): (&Context, &Arc<CudaStream>),
+    s: &Settings,
+    operands: &mut Operands<T>,
+) -> [Measurement; 2] {
+    let gpu = ctx.on(stream).expect("the stream is the context's");
+    let Operands {
+        rows,
+        d,
+        sets,
+        gamma,
+        dgamma,
+        workspace,
+        ..
+    } = operands;
+    let (rows, d) = (*rows, *d);
+    let fwd = time(ctx.cuda(), stream, s.warmup, s.reps, |i| {
+        let k = i % sets.len();
+        let set = &mut sets[k];
+        let x = Rows::new(set.x.as_view(), rows, d).unwrap();
+        let y = Rows::new(set.y.as_view_mut(), rows, d).unwrap();
+        let args = NormForward::new(x, gamma.as_view(), y).eps(EPS);
+        rms_norm::forward(&gpu, args.rstd(set.rstd.as_view_mut())).unwrap();
+    });
+    let bwd = time(ctx.cuda(), stream, s.warmup, s.reps, |i| {
+        let k = i % sets.len();
+        let set = &mut sets[k];
+        let x = Rows::new(set.x.as_view(), rows, d).unwrap();
+        let dy = Rows::new(set.dy.as_view(), rows, d).unwrap();
+        let dx = Rows::new(set.dx.as_view_mut(), rows, d).unwrap();
+        let (dgamma, ws) = (dgamma.as_view_mut(), workspace.as_view_mut());
+        let args = NormBackward::new(dy, x, gamma.as_view(), dx, dgamma, ws).eps(EPS);
+        let args = args.param_gradients(s.strategy);
+        rms_norm::backward(&gpu, args.rstd(set.rstd.as_view())).unwrap();
+    });
+    eprintln!(
+        "rms_norm {rows}×{d} ({}): fwd {:.1} µs, bwd {:.1} µs",
+        T::NAME,
+        fwd.device_us,
+        bwd.device_us
+    );
+    let (n, t) = (rows * d, size_of::<T>());
+    [
+        // x read, y written, rstd written, γ read.
+        operands.measurement("rms_norm fwd", fwd, 2 * n * t + rows * 4 + d * t),
+        // x and dy read, dx written, rstd and γ read, dγ written (the workspace is not counted).
+        operands.measurement("rms_norm bwd", bwd, 3 * n * t + rows * 4 + 2 * d * t),
+    ]
+}
+
+/// LayerNorm's forward with bias (saving mean and rstd) and its backward (from the saved
+/// statistics, writing dβ).
+fn layer_norm_fwd_bwd<T: TestDtype>(
+    (ctx, stream): (&Context, &Arc<CudaStream>),
+    s: &Settings,
+    operands: &mut Operands<T>,
+) -> [Measurement; 2] {
+    let gpu = ctx.on(stream).expect("the stream is the context's");
+    let Operands {
+        rows,
+        d,
+        sets,
+        gamma,
+        beta,
+        dgamma,
+        dbeta,
+        workspace,
+    } = operands;
+    let (rows, d) = (*rows, *d);
+    let fwd = time(ctx.cuda(), stream, s.warmup, s.reps, |i| {
+        let k = i % sets.len();
+        let Set {
+            x, y, mean, rstd, ..
+        } = &mut sets[k];
+        let x = Rows::new(x.as_view(), rows, d).unwrap();
+        let y = Rows::new(y.as_view_mut(), rows, d).unwrap();
+        let args = NormForward::new(x, gamma.as_view(), y).eps(EPS);
+        let args = args.bias(beta.as_view());
+        layer_norm::forward(&gpu, args.mean(mean.as_view_mut()).rstd(rstd.as_view_mut())).unwrap();
+    });
+    let bwd = time(ctx.cuda(), stream, s.warmup, s.reps, |i| {
+        let k = i % sets.len();
+        let Set {
+            x,
+            dy,
+            dx,
+            mean,
+            rstd,
+            ..
+        } = &mut sets[k];
+        let dy = Rows::new(dy.as_view(), rows, d).unwrap();
+        let x = Rows::new(x.as_view(), rows, d).unwrap();
+        let dx = Rows::new(dx.as_view_mut(), rows, d).unwrap();
+        let (dgamma, ws) = (dgamma.as_view_mut(), workspace.as_view_mut());
+        let args = NormBackward::new(dy, x, gamma.as_view(), dx, dgamma, ws).eps(EPS);
+        let args = args.param_gradients(s.strategy);
+        let args = args.mean_rstd(mean.as_view(), rstd.as_view());
+        layer_norm::backward(&gpu, args.dbias(dbeta.as_view_mut())).unwrap();
+    });
+    eprintln!(
+        "layer_norm {rows}×{d} ({}): fwd {:.1} µs, bwd {:.1} µs",
+        T::NAME,
+        fwd.device_us,
+        bwd.device_us
+    );
+    let (n, t) = (rows * d, size_of::<T>());
+    [
+        // x read, y written, mean and rstd written, γ and β read.
+        operands.measurement("layer_norm fwd", fwd, 2 * n * t + 2 * rows * 4 + 2 * d * t),
+        // x and dy read, dx written, mean, rstd and γ read, dγ and dβ written.
+        operands.measurement("layer_norm bwd", bwd, 3 * n * t + 2 * rows * 4 + 3 * d * t),
+    ]
 }
 
 /// Operands of one fused-residual forward + backward: bf16 activations, residual stream in `H`.
@@ -253,7 +354,8 @@ fn rms_norm_residual<H: TestDtype>(
     vec![
         Measurement {
             op: "rms_norm fwd + residual",
-            shape: format!("{rows}×{d}"),
+            rows,
+            d,
             dtype,
             timing: fwd,
             // x and residual read, y and residual_out written, rstd written, γ read.
@@ -261,7 +363,8 @@ fn rms_norm_residual<H: TestDtype>(
         },
         Measurement {
             op: "rms_norm bwd + dresidual",
-            shape: format!("{rows}×{d}"),
+            rows,
+            d,
             dtype,
             timing: bwd,
             // dy read, dx written, x (residual_out) and dresidual read, rstd and γ read, dγ written.

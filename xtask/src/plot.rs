@@ -1,0 +1,347 @@
+//! `plot-sweep`: the bench sweep's CSV as a PNG, % of copy against d, one line per op, direction
+//! and dtype; with the peers' JSON (`shared/peers/peers.py`), the best peer per op and direction
+//! as dashed lines in the same colour.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use plotters::coord::Shift;
+use plotters::element::DashedPathElement;
+use plotters::prelude::*;
+use plotters::style::register_font;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
+use resvg::{tiny_skia, usvg};
+
+use crate::Result;
+
+const FONT: &str = "sans-serif";
+const SIZE: (u32, u32) = (1500, 850);
+/// Width of the legend beside the chart: its fourteen entries inside the chart would hide lines.
+const LEGEND_WIDTH: u32 = 400;
+/// Tableau's ten colours: distinct, and readable on white.
+const PALETTE: [RGBColor; 10] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
+];
+
+/// How a line is drawn: the bench's own with a marker per dtype, a peer's dashed.
+#[derive(Clone, Copy)]
+enum Stroke {
+    Solid(Marker),
+    Dashed,
+}
+
+#[derive(Clone, Copy)]
+enum Marker {
+    Circle,
+    Triangle,
+    Cross,
+}
+
+impl Marker {
+    /// bf16 circles, f32 triangles, f16 crosses: the dtypes of one op share its colour.
+    fn of_dtype(dtype: &str) -> Self {
+        if dtype.starts_with("f32") {
+            Marker::Triangle
+        } else if dtype.starts_with("f16") {
+            Marker::Cross
+        } else {
+            Marker::Circle
+        }
+    }
+}
+
+/// One line of the plot: (d, % of copy) points.
+struct Line {
+    label: String,
+    /// The op and direction the colour stands for.
+    op_direction: (String, String),
+    stroke: Stroke,
+    points: Vec<(f64, f64)>,
+}
+
+/// `plot-sweep --csv FILE [--peers FILE] [--out FILE]` (by default the CSV's path as .png).
+pub fn plot_sweep(args: &[String]) -> Result {
+    let flag = |name: &str| {
+        let i = args.iter().position(|a| a == name)?;
+        args.get(i + 1).map(PathBuf::from)
+    };
+    let csv = flag("--csv").ok_or("plot-sweep needs --csv FILE (the bench's --sweep output)")?;
+    let out = flag("--out").unwrap_or_else(|| csv.with_extension("png"));
+    let read = |path: &PathBuf| {
+        std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))
+    };
+    let (mut lines, copy_gbs) = measured_lines(&read(&csv)?)?;
+    if let Some(path) = flag("--peers") {
+        let mut peers =
+            peer_lines(&read(&path)?).map_err(|e| format!("{}: {e}", path.display()))?;
+        // In the legend, in the order of the bench's own lines of the same op and direction.
+        peers.sort_by_key(|p| lines.iter().position(|l| l.op_direction == p.op_direction));
+        lines.extend(peers);
+    }
+    draw(&lines, copy_gbs, &out)?;
+    println!("wrote {} ({} lines)", out.display(), lines.len());
+    Ok(())
+}
+
+/// The fields of one CSV line; quoted fields may hold commas and doubled quotes.
+fn csv_fields(line: &str) -> Vec<String> {
+    let (mut fields, mut field, mut quoted) = (Vec::new(), String::new(), false);
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' if quoted && chars.peek() == Some(&'"') => {
+                field.push('"');
+                chars.next();
+            }
+            '"' => quoted = !quoted,
+            ',' if !quoted => fields.push(std::mem::take(&mut field)),
+            c => field.push(c),
+        }
+    }
+    fields.push(field);
+    fields
+}
+
+/// One line per (op, direction, dtype) of the bench's CSV, in the order they first appear, and
+/// the copy bandwidth the percentages are of.
+fn measured_lines(csv: &str) -> Result<(Vec<Line>, f64)> {
+    let mut rows = csv.lines().filter(|l| !l.trim().is_empty()).map(csv_fields);
+    let header = rows.next().ok_or("the CSV is empty")?;
+    let column = |name: &str| {
+        header
+            .iter()
+            .position(|h| h == name)
+            .ok_or(format!("the CSV has no {name} column"))
+    };
+    let [op, direction, dtype, d, pct, copy] =
+        ["op", "direction", "dtype", "d", "pct_of_copy", "copy_gbs"].map(column);
+    let (op, direction, dtype, d, pct, copy) = (op?, direction?, dtype?, d?, pct?, copy?);
+    let mut lines: Vec<Line> = Vec::new();
+    let mut copy_gbs = 0.0;
+    for row in rows {
+        let field = |i: usize| row.get(i).map_or("", String::as_str);
+        let number = |i: usize| -> Result<f64> {
+            (field(i).parse()).map_err(|_| format!("not a number: {:?} in {row:?}", field(i)))
+        };
+        let point = (number(d)?, number(pct)?);
+        copy_gbs = number(copy)?;
+        let label = format!("{} {}, {}", field(op), field(direction), field(dtype));
+        match lines.iter_mut().find(|l| l.label == label) {
+            Some(line) => line.points.push(point),
+            None => lines.push(Line {
+                label,
+                op_direction: (field(op).into(), field(direction).into()),
+                stroke: Stroke::Solid(Marker::of_dtype(field(dtype))),
+                points: vec![point],
+            }),
+        }
+    }
+    if lines.is_empty() {
+        return Err("the CSV has no rows".into());
+    }
+    Ok((lines, copy_gbs))
+}
+
+/// The best peer per op and direction at each d of `peers.py`'s JSON (a list of records: one
+/// `{"impl": "copy", "gbs"}`, then `{impl, op: "rms"|"ln", rows, d, fwd_gbs, bwd_gbs, ...}`), as %
+/// of the copy bandwidth measured in the same run.
+fn peer_lines(json: &str) -> Result<Vec<Line>> {
+    let records: Vec<serde_json::Value> = serde_json::from_str(json).map_err(|e| e.to_string())?;
+    let copy_gbs = records
+        .iter()
+        .find(|r| r["impl"] == "copy")
+        .and_then(|r| r["gbs"].as_f64())
+        .ok_or("no copy record")?;
+    // The best % of copy at each d, and which peer it is.
+    type BestByD<'a> = BTreeMap<u64, (f64, &'a str)>;
+    let mut best: BTreeMap<(&str, &str), BestByD> = BTreeMap::new();
+    for r in &records {
+        let op = match r["op"].as_str() {
+            Some("rms") => "rms_norm",
+            Some("ln") => "layer_norm",
+            _ => continue,
+        };
+        let (Some(d), Some(peer)) = (r["d"].as_u64(), r["impl"].as_str()) else {
+            continue;
+        };
+        for direction in ["fwd", "bwd"] {
+            let Some(gbs) = r[format!("{direction}_gbs")].as_f64() else {
+                continue;
+            };
+            let pct = 100.0 * gbs / copy_gbs;
+            let at_d = best.entry((op, direction)).or_default().entry(d);
+            let entry = at_d.or_insert((pct, peer));
+            if pct > entry.0 {
+                *entry = (pct, peer);
+            }
+        }
+    }
+    Ok(best
+        .into_iter()
+        .map(|((op, direction), by_d)| {
+            let mut winners: Vec<&str> = by_d.values().map(|&(_, peer)| peer).collect();
+            winners.sort();
+            winners.dedup();
+            Line {
+                label: format!("{op} {direction}, best peer ({})", winners.join(", ")),
+                op_direction: (op.into(), direction.into()),
+                stroke: Stroke::Dashed,
+                points: by_d.iter().map(|(&d, &(pct, _))| (d as f64, pct)).collect(),
+            }
+        })
+        .collect())
+}
+
+fn draw_error(e: impl std::fmt::Display) -> String {
+    format!("drawing the plot: {e}")
+}
+
+/// Draws `lines` as SVG and writes it to `out` as PNG.
+fn draw(lines: &[Line], copy_gbs: f64, out: &Path) -> Result {
+    // plotters lays out labels with the glyph advances of what is registered here.
+    register_font(FONT, FontStyle::Normal, ttf_noto_sans::REGULAR)
+        .map_err(|_| "the embedded font does not load")?;
+    let mut svg = String::new();
+    draw_svg(lines, copy_gbs, &mut svg)?;
+    let mut fonts = usvg::fontdb::Database::new();
+    fonts.load_font_data(ttf_noto_sans::REGULAR.to_vec());
+    fonts.set_sans_serif_family("Noto Sans");
+    let options = usvg::Options {
+        fontdb: Arc::new(fonts),
+        ..Default::default()
+    };
+    let tree = usvg::Tree::from_str(&svg, &options).map_err(draw_error)?;
+    let mut pixmap = tiny_skia::Pixmap::new(SIZE.0, SIZE.1).ok_or("no pixmap of that size")?;
+    resvg::render(&tree, tiny_skia::Transform::default(), &mut pixmap.as_mut());
+    pixmap
+        .save_png(out)
+        .map_err(|e| format!("{}: {e}", out.display()))
+}
+
+fn draw_svg(lines: &[Line], copy_gbs: f64, svg: &mut String) -> Result {
+    let root = SVGBackend::with_string(svg, SIZE).into_drawing_area();
+    root.fill(&WHITE).map_err(draw_error)?;
+    let (chart_area, legend_area) = root.split_horizontally(SIZE.0 - LEGEND_WIDTH);
+
+    // One colour per op and direction, in the order they first appear.
+    let mut op_directions: Vec<&(String, String)> = Vec::new();
+    for line in lines {
+        if !op_directions.contains(&&line.op_direction) {
+            op_directions.push(&line.op_direction);
+        }
+    }
+    let colour = |line: &Line| {
+        let i = op_directions.iter().position(|k| **k == line.op_direction);
+        PALETTE[i.unwrap_or(0) % PALETTE.len()]
+    };
+
+    let mut ds: Vec<f64> = lines
+        .iter()
+        .flat_map(|l| l.points.iter().map(|p| p.0))
+        .collect();
+    ds.sort_by(f64::total_cmp);
+    ds.dedup();
+    let (d_min, d_max) = (ds[0], ds[ds.len() - 1]);
+    // 0–100 %, higher only where a point would otherwise be cut off.
+    let pct_max = lines.iter().flat_map(|l| &l.points).map(|p| p.1);
+    let y_max = (pct_max.fold(100.0, f64::max) / 10.0).ceil() * 10.0;
+    let x = (d_min / 1.3..d_max * 1.3)
+        .log_scale()
+        .base(2.0)
+        .with_key_points(ds.clone());
+    let mut chart = ChartBuilder::on(&chart_area)
+        .caption(
+            format!("Norms: % of device copy bandwidth ({copy_gbs:.0} GB/s) against d"),
+            (FONT, 28),
+        )
+        .margin(20)
+        .x_label_area_size(60)
+        .y_label_area_size(70)
+        .build_cartesian_2d(x, 0.0..y_max)
+        .map_err(draw_error)?;
+    chart
+        .configure_mesh()
+        .x_desc("d (log2 scale)")
+        .y_desc("% of copy")
+        .x_label_formatter(&|d| format!("{d:.0}"))
+        .y_label_formatter(&|p| format!("{p:.0}"))
+        .y_labels(11)
+        .label_style((FONT, 18))
+        .axis_desc_style((FONT, 20))
+        .light_line_style(WHITE)
+        .bold_line_style(BLACK.mix(0.12))
+        .draw()
+        .map_err(draw_error)?;
+    for line in lines {
+        let style = colour(line).stroke_width(2);
+        match line.stroke {
+            Stroke::Solid(marker) => {
+                chart
+                    .draw_series(LineSeries::new(line.points.clone(), style))
+                    .map_err(draw_error)?;
+                for &point in &line.points {
+                    draw_marker(chart.plotting_area(), point, marker, style)?;
+                }
+            }
+            Stroke::Dashed => {
+                let dashes = DashedLineSeries::new(line.points.clone(), 10, 6, style);
+                chart.draw_series(dashes).map_err(draw_error)?;
+            }
+        }
+    }
+    draw_legend(&legend_area, lines, colour)?;
+    root.present().map_err(draw_error)
+}
+
+/// A marker at `at` (a point of the chart, or a pixel of the legend).
+fn draw_marker<DB: DrawingBackend, CT: CoordTranslate>(
+    area: &DrawingArea<DB, CT>,
+    at: CT::From,
+    marker: Marker,
+    style: ShapeStyle,
+) -> Result {
+    match marker {
+        Marker::Circle => area.draw(&Circle::new(at, 4, style.filled())),
+        Marker::Triangle => area.draw(&TriangleMarker::new(at, 6, style.filled())),
+        Marker::Cross => area.draw(&Cross::new(at, 5, style)),
+    }
+    .map_err(draw_error)
+}
+
+/// The legend, one entry per line, in the area beside the chart.
+fn draw_legend<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    lines: &[Line],
+    colour: impl Fn(&Line) -> RGBColor,
+) -> Result {
+    let text = TextStyle::from((FONT, 17)).pos(Pos::new(HPos::Left, VPos::Center));
+    for (i, line) in lines.iter().enumerate() {
+        let y = 90 + 28 * i as i32;
+        let (x0, x1) = (0, 44);
+        let style = colour(line).stroke_width(2);
+        let stroke = vec![(x0, y), (x1, y)];
+        match line.stroke {
+            Stroke::Solid(marker) => {
+                area.draw(&PathElement::new(stroke, style))
+                    .map_err(draw_error)?;
+                draw_marker(area, ((x0 + x1) / 2, y), marker, style)?;
+            }
+            Stroke::Dashed => area
+                .draw(&DashedPathElement::new(stroke, 8, 5, style))
+                .map_err(draw_error)?,
+        }
+        area.draw(&Text::new(line.label.clone(), (x1 + 10, y), &text))
+            .map_err(draw_error)?;
+    }
+    Ok(())
+}
