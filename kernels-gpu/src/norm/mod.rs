@@ -22,7 +22,9 @@
 //! covers both. The plain kernels contain none of it: where the row comes from is a type parameter
 //! of the bodies (`rows`), so they do no residual work.
 //!
-//! One block works on one row at a time. Register tiles (`VPT` = 1, 2, 4 accesses per thread)
+//! Rows that a warp reaches are taken by segment teams ([`segments`], the `LANES` instances):
+//! 8 to 32 lanes per row, several rows per warp, shuffles instead of block barriers. Otherwise
+//! one block works on one row at a time. Register tiles (`VPT` = 1, 2, 4 accesses per thread)
 //! load the whole row once and keep it on chip: 16-byte packs give every thread `VPT·16` bytes in
 //! flight per operand. Rows too wide for one block's registers are split over a cluster of blocks
 //! (sm_90; the `CLUSTER` instances, [`crate::reduce::Team`]): each block holds its share of the
@@ -33,7 +35,8 @@
 //! L2), over a cluster where there is one.
 //!
 //! Parts: `params` (launch parameters), `rows` (where a row comes from, γ/β, statistics),
-//! `forward`, `backward` (its register tile in `tile`, the staged ring in `staged`),
+//! `forward`, `backward` (its register tile in `tile`, the staged ring in `staged`, segment teams
+//! in `segments`),
 //! [`policy`] (per-instance choices and shared memory), and the kernel table below.
 
 pub mod backward;
