@@ -648,7 +648,7 @@ pub(crate) mod tests {
             // Rows of at most 256: up to 1024 groups; of at most 512: 2²¹ / d.
             let most = match d {
                 ..=256 => 1024,
-                ..=512 => (1 << 21) / d,
+                257..=512 => (1 << 21) / d,
                 _ => 512,
             };
             let fewest = rows.div_ceil(most);

@@ -149,7 +149,7 @@ fn workspace_and_groups_depend_on_the_shape_only() {
             // Rows of at most 256 may take up to 1024 groups, of at most 512 up to 2²¹ / d.
             let most = match d {
                 ..=256 => 1024,
-                ..=512 => (1 << 21) / d,
+                257..=512 => (1 << 21) / d,
                 _ => 512,
             };
             assert!(groups <= most, "rows {rows}, d {d}: {groups} groups");
