@@ -3,9 +3,10 @@
 //! - `build-ptx [--check]`: compile `normkern-gpu` to PTX for every target architecture and write
 //!   `host/ptx/normkern_<arch>.ptx`, then assemble each PTX with ptxas (`$PTXAS` or PATH; pin
 //!   PyPI's `nvidia-cuda-nvcc`, as CI does) into `host/cubin/normkern_<arch>.cubin`; with
-//!   `--check`, rebuild both and fail on any byte difference.
+//!   `--check`, rebuild both and fail on any byte difference. Either way, fail when any kernel has
+//!   a stack frame or spills, or the PTX a local-memory frame (as `ptxas` below).
 //! - `ptxas`: run ptxas (`$PTXAS` or PATH) on every PTX; print registers, stack frame and spills per
-//!   kernel; fail when any kernel has a stack frame or spills.
+//!   kernel; fail when any kernel has a stack frame or spills, or the PTX a local-memory frame.
 //! - `bundle [DIR]`: build the release test, bench and example executables and collect them with `run.sh`
 //!   into DIR (default `bundle/`), for a GPU host that has a driver but no Rust toolchain.
 //! - `bench [ARGS]`: run the benchmark binary here (`--sweep [--csv PATH]`: the norms over d as CSV,
@@ -90,27 +91,48 @@ fn ptxas_program() -> String {
 }
 
 /// Assembles one architecture's PTX into a cubin with ptxas's defaults (-O3, as the driver's JIT
-/// would): the machine code a cold start loads instead of JIT-compiling every entry.
-fn assemble_cubin(arch: &str, ptx: &str) -> Result<Vec<u8>> {
+/// would): the machine code a cold start loads instead of JIT-compiling every entry. Returns it
+/// with ptxas's resource report, from a second ptxas run at the same time (`-v` changes the
+/// cubin's bytes, so the cubin's own run goes without it).
+fn assemble_cubin(arch: &str, ptx: &str) -> Result<(Vec<u8>, String)> {
     let dir = root().join("target/ptx").join(arch);
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let (input, output) = (dir.join("assemble.ptx"), dir.join("assemble.cubin"));
     std::fs::write(&input, ptx).map_err(|e| format!("{}: {e}", input.display()))?;
     let ptxas = ptxas_program();
+    let cannot_run = |e: std::io::Error| format!("cannot run ptxas ({ptxas}; set $PTXAS): {e}");
+    // The report goes to a file, not a pipe: a full pipe would stall it until the cubin is done.
+    let report_path = dir.join("assemble.report");
+    let report_file = std::fs::File::create(&report_path)
+        .map_err(|e| format!("{}: {e}", report_path.display()))?;
+    let mut report = Command::new(&ptxas)
+        .args(["-v", &format!("-arch={arch}")])
+        .arg(&input)
+        .args(["-o", "/dev/null"])
+        .stdout(std::process::Stdio::null())
+        .stderr(report_file)
+        .spawn()
+        .map_err(cannot_run)?;
     let out = Command::new(&ptxas)
         .arg(format!("-arch={arch}"))
         .arg(&input)
         .arg("-o")
         .arg(&output)
         .output()
-        .map_err(|e| format!("cannot run ptxas ({ptxas}; set $PTXAS): {e}"))?;
+        .map_err(cannot_run)?;
     if !out.status.success() {
         return Err(format!(
             "ptxas -arch={arch} failed:\n{}",
             String::from_utf8_lossy(&out.stderr)
         ));
     }
-    std::fs::read(&output).map_err(|e| format!("{}: {e}", output.display()))
+    let cubin = std::fs::read(&output).map_err(|e| format!("{}: {e}", output.display()))?;
+    if !report.wait().map_err(cannot_run)?.success() {
+        return Err(format!("ptxas -v -arch={arch} failed"));
+    }
+    let report = std::fs::read_to_string(&report_path)
+        .map_err(|e| format!("{}: {e}", report_path.display()))?;
+    Ok((cubin, report))
 }
 
 /// Compiles the kernel crate for one architecture and returns the PTX text.
@@ -193,10 +215,11 @@ fn with_register_budgets(ptx: &str) -> String {
 }
 
 fn build_ptx(check: bool) -> Result {
-    let mut stale = Vec::new();
+    let (mut stale, mut bad) = (Vec::new(), Vec::new());
     for arch in ARCHS {
         let ptx = compile_ptx(arch)?;
-        let cubin = assemble_cubin(arch, &ptx)?;
+        let (cubin, report) = assemble_cubin(arch, &ptx)?;
+        bad.extend(resource_problems(arch, &parse_ptxas(&report), &ptx)?);
         let (ptx_file, cubin_file) = (ptx_path(arch), cubin_path(arch));
         if check {
             if std::fs::read(&ptx_file).unwrap_or_default() != ptx.as_bytes() {
@@ -231,7 +254,7 @@ fn build_ptx(check: bool) -> Result {
     if check {
         println!("PTX and cubins up to date for {}", ARCHS.join(", "));
     }
-    Ok(())
+    resources_verdict(&bad)
 }
 
 /// One kernel's line of the ptxas report.
@@ -309,32 +332,43 @@ fn ptxas() -> Result {
                 r.stack,
                 r.spill_stores + r.spill_loads
             );
-            if r.stack > 0 || r.spill_stores > 0 || r.spill_loads > 0 {
-                bad.push(format!("{arch} {}", r.kernel));
-            }
         }
-        if kernels.is_empty() {
-            return Err(format!("ptxas reported no kernels for {}", path.display()));
-        }
-        // A local-memory frame in the PTX that ptxas then optimizes away still reports 0 bytes of
-        // stack, yet it cost the backwards up to 45 % of their bandwidth once (an array indexed
-        // at run time, an aggregate passed to a call): none may appear.
         let ptx = std::fs::read_to_string(&path)
             .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        let mut function = "";
-        for line in ptx.lines() {
-            if let Some(name) =
-                (line.strip_prefix(".visible .entry ")).or_else(|| line.strip_prefix(".func "))
-            {
-                function = name.trim_end_matches('(');
-            }
-            if line.trim_start().starts_with(".local ") {
-                bad.push(format!(
-                    "{arch} {function} (a local-memory frame in the PTX)"
-                ));
-            }
+        bad.extend(resource_problems(arch, &kernels, &ptx)?);
+    }
+    resources_verdict(&bad)
+}
+
+/// The kernels of one architecture's ptxas report with a stack frame or spills, and the functions
+/// of its PTX with a local-memory frame. A local-memory frame that ptxas then optimizes away still
+/// reports 0 bytes of stack, yet it cost the backwards up to 45 % of their bandwidth once (an array
+/// indexed at run time, an aggregate passed to a call): none may appear.
+fn resource_problems(arch: &str, kernels: &[Resources], ptx: &str) -> Result<Vec<String>> {
+    if kernels.is_empty() {
+        return Err(format!("ptxas reported no kernels for {arch}"));
+    }
+    let mut bad: Vec<String> = (kernels.iter())
+        .filter(|r| r.stack > 0 || r.spill_stores > 0 || r.spill_loads > 0)
+        .map(|r| format!("{arch} {}", r.kernel))
+        .collect();
+    let mut function = "";
+    for line in ptx.lines() {
+        if let Some(name) =
+            (line.strip_prefix(".visible .entry ")).or_else(|| line.strip_prefix(".func "))
+        {
+            function = name.trim_end_matches('(');
+        }
+        if line.trim_start().starts_with(".local ") {
+            bad.push(format!(
+                "{arch} {function} (a local-memory frame in the PTX)"
+            ));
         }
     }
+    Ok(bad)
+}
+
+fn resources_verdict(bad: &[String]) -> Result {
     if !bad.is_empty() {
         return Err(format!(
             "kernels with a stack frame, spills or local memory: {}",
