@@ -215,10 +215,25 @@ fn with_register_budgets(ptx: &str) -> String {
 }
 
 fn build_ptx(check: bool) -> Result {
+    // The architectures build side by side, each in its own target directory: each build is
+    // mostly one LLVM thread, and the two of them were most of CI's time.
+    let built: Vec<Result<(String, Vec<u8>, String)>> = std::thread::scope(|scope| {
+        let builds: Vec<_> = (ARCHS.iter())
+            .map(|&arch| {
+                scope.spawn(move || {
+                    let ptx = compile_ptx(arch)?;
+                    let (cubin, report) = assemble_cubin(arch, &ptx)?;
+                    Ok((ptx, cubin, report))
+                })
+            })
+            .collect();
+        (builds.into_iter())
+            .map(|b| (b.join()).unwrap_or_else(|_| Err("a PTX build thread panicked".into())))
+            .collect()
+    });
     let (mut stale, mut bad) = (Vec::new(), Vec::new());
-    for arch in ARCHS {
-        let ptx = compile_ptx(arch)?;
-        let (cubin, report) = assemble_cubin(arch, &ptx)?;
+    for (arch, built) in ARCHS.into_iter().zip(built) {
+        let (ptx, cubin, report) = built?;
         bad.extend(resource_problems(arch, &parse_ptxas(&report), &ptx)?);
         let (ptx_file, cubin_file) = (ptx_path(arch), cubin_path(arch));
         if check {
