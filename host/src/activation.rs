@@ -488,6 +488,12 @@ impl Call {
 /// Threads per block of the elementwise kernels.
 const THREADS: usize = 256;
 
+/// Most accesses of a row per dbias work item: a warp's 32 (512 coalesced bytes of 16-bit rows),
+/// so a block takes 8 rows of a group at once and an item (a group's rows × 32 accesses) is a
+/// few microseconds of work. Items of a group's rows × 256 accesses (32 rows at 16384×4096)
+/// made two long waves whose uneven end cost as much as the column sum.
+const DBIAS_COLUMNS: usize = 32;
+
 /// The launches of an activation call: the elementwise kernel (none for no rows), then for dbias
 /// the column sum of its partials.
 pub(crate) struct Plan {
@@ -570,7 +576,11 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
             .ok_or(Error::Internal("no activation kernel for this key"))?;
         let family = call.key.family;
         let tiles = if call.dbias.is_some() {
-            groups * (d / len).div_ceil(THREADS)
+            // A work item is a group × `columns` accesses of its rows, the block taking
+            // THREADS / columns of the group's rows at once. Only the shape decides `columns`,
+            // so it never changes the sums' order from one GPU or grid to another.
+            params.columns = (d / len).next_power_of_two().min(DBIAS_COLUMNS) as u32;
+            groups * (d / len).div_ceil(params.columns as usize)
         } else {
             accesses.div_ceil(THREADS * family.unroll())
         };

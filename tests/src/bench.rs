@@ -62,15 +62,25 @@ pub fn median_us(
     time(ctx, stream, warmup, reps, f).device_us
 }
 
-/// Device-to-device copy bandwidth in GB/s (bytes read + bytes written), 1 GiB each way.
+/// Device-to-device copy bandwidth in GB/s (bytes read + bytes written), 1 GiB each way: what
+/// every result is reported against.
 pub fn copy_bandwidth(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, reps: usize) -> f64 {
-    let n = 1usize << 28; // 2^28 f32 = 1 GiB
+    copy_timing(ctx, stream, 1 << 28, reps).0
+}
+
+/// Bandwidth (GB/s, read + write) and [`Timing`] of a device-to-device copy of `n` f32.
+pub fn copy_timing(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    n: usize,
+    reps: usize,
+) -> (f64, Timing) {
     let src: CudaSlice<f32> = stream.clone_htod(&vec![1.5f32; n]).expect("alloc");
     let mut dst: CudaSlice<f32> = stream.alloc_zeros(n).expect("alloc");
-    let us = median_us(ctx, stream, 5, reps, |_| {
+    let timing = time(ctx, stream, 5, reps, |_| {
         stream.memcpy_dtod(&src, &mut dst).expect("copy")
     });
-    2.0 * (n * 4) as f64 / (us * 1e-6) / 1e9
+    (2.0 * (n * 4) as f64 / (timing.device_us * 1e-6) / 1e9, timing)
 }
 
 /// An empty kernel: what one launch costs the host when the kernel does nothing.

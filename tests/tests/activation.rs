@@ -400,12 +400,14 @@ fn matches_reference<B: Backend, T: TestDtype>(
 }
 
 /// Small enough for the emulator: a ragged row, padded rows, an offset of one element (single
-/// element access) and 40 rows (3 dbias groups).
-const EMULATOR_SHAPES: [Shape; 4] = [
+/// element access), 40 rows (3 dbias groups, more row slices than a group has rows) and 600
+/// padded rows of 256 (dbias groups of 16 rows taken by 4 or 8 row slices, the last group short).
+const EMULATOR_SHAPES: [Shape; 5] = [
     (3, 7, 7, 0),
     (17, 64, 72, 0),
     (5, 33, 40, 1),
     (40, 16, 16, 0),
+    (600, 256, 260, 0),
 ];
 
 fn emulator_matches_reference<T: TestDtype>() {
@@ -430,8 +432,11 @@ fn emulator_matches_reference_bf16() {
     emulator_matches_reference::<bf16>();
 }
 
-const GPU_SHAPES: [Shape; 5] = [
+const GPU_SHAPES: [Shape; 7] = [
     (4096, 4096, 4096, 0),
+    // Narrow rows: dbias groups of 64 rows over 16 (bf16) or 32 (f32) row slices of a block.
+    (65536, 128, 128, 0),
+    (30000, 100, 104, 0),
     (1000, 1000, 1000, 0),
     (333, 4100, 4104, 1),
     (64, 7, 9, 0),
@@ -470,8 +475,9 @@ fn gpu_dbias_is_bitwise_repeatable_and_grid_invariant() {
         Device::new(ctx, stream),
         Device::new(&small, stream),
     ];
-    let shape = (16384, 1024, 1024, 0);
-    matches_reference::<_, bf16>(&backends, &[shape], &[Activation::GeluTanh]);
+    // A row a block's threads cover, and narrow rows summed by 16 row slices of a block.
+    let shapes = [(16384, 1024, 1024, 0), (262144, 128, 128, 0)];
+    matches_reference::<_, bf16>(&backends, &shapes, &[Activation::GeluTanh]);
 }
 
 /// Gated forward and backward of `rows × d` on `backend`, with a and b as two strided views of

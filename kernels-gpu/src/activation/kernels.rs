@@ -28,6 +28,10 @@ pub struct Params {
     pub d: u32,
     pub rows_per_group: u32,
     pub groups: u32,
+    /// `act_bwd_dbias` only: accesses (packs or elements) of a row per work item, a power of two
+    /// dividing the block size; the block takes `block_dim / columns` rows of a group at once.
+    pub columns: u32,
+    pub _pad: u32,
     /// `act_bwd_dbias` only: what becomes of the partial rows ([`GroupSums`]).
     pub sums: GroupSums,
 }
@@ -201,57 +205,92 @@ pub unsafe fn backward<T: Element, const VEC: bool, const ACT: u32>(p: &Params) 
 /// Rows of a group [`backward_dbias`] loads before using any: bytes in flight per thread.
 const DBIAS_ROWS_IN_FLIGHT: usize = 4;
 
+/// Bytes of dynamic shared memory [`backward_dbias`] takes with `threads` per block: every
+/// thread's partial sums, for the fixed-order combination of a group's row slices.
+#[cfg(not(target_arch = "nvptx64"))]
+pub const fn dbias_shared(threads: usize) -> usize {
+    threads * 8 * 4
+}
+
 /// [`backward`] plus `dbias = Σ_rows dx` through the deterministic group partials: each group of
 /// `rows_per_group` consecutive rows writes one fp32 row of `partials`, summed afterwards by
-/// `crate::reduce::column_sum`. A work item is one group × `block_dim` columns (one access per
-/// thread); blocks take items by grid stride, so the host can launch one block per item. Which
-/// block takes an item never changes the order of any sum. `p.sums` may have the launch sum the
-/// partial rows itself or add them atomically instead.
+/// `crate::reduce::column_sum`. A work item is one group × `p.columns` accesses of its rows; a
+/// block takes `block_dim / columns` rows of the group at once (its row slices: narrow rows keep
+/// every thread busy), so thread (slice `s`, column `c`) sums rows `s`, `s + slices`, … of the
+/// group in order, and the slices' sums are added in slice order through shared memory. Blocks
+/// take items by grid stride, so the host can launch one block per item; which block takes an
+/// item never changes the order of any sum (that is fixed by the shape and `columns`). `p.sums`
+/// may have the launch sum the partial rows itself or add them atomically instead.
 ///
 /// # Safety
-/// As for [`forward`]; `partials` holds `groups · d` f32, 16-byte aligned.
+/// As for [`forward`]; `partials` holds `groups · d` f32, 16-byte aligned; `columns` divides the
+/// block size; the block has [`dbias_shared`] bytes of dynamic shared memory.
 #[inline(always)]
 pub unsafe fn backward_dbias<T: Element, const VEC: bool, const ACT: u32>(p: &Params) {
     let len = Access::<T, VEC>::LEN;
     let (d, rows) = (p.d as usize, p.rows as usize);
     let per_row = d / len;
-    let chunks = per_row.div_ceil(arch::block_dim());
+    let columns = p.columns as usize;
+    let slices = arch::block_dim() / columns;
+    let (slice, column) = (arch::thread_idx() / columns, arch::thread_idx() % columns);
+    let chunks = per_row.div_ceil(columns);
+    let shared = arch::shared_f32();
     let mut item = arch::block_idx();
     while item < p.groups as usize * chunks {
         let (group, chunk) = (item / chunks, item % chunks);
         item += arch::grid_dim();
         let first = group * p.rows_per_group as usize;
         let end = (first + p.rows_per_group as usize).min(rows);
-        let a = chunk * arch::block_dim() + arch::thread_idx();
+        let a = chunk * columns + column;
+        let col = a * len;
+        let mut dbias = [0.0f32; 8];
         if a < per_row {
-            let col = a * len;
-            let mut dbias = [0.0f32; 8];
-            let mut row = first;
+            let mut row = first + slice;
             while row < end {
-                // Load a few rows, then use them in row order: the sum order stays fixed.
+                // Load a few of the slice's rows, then use them in row order: the sum order
+                // stays fixed.
                 let mut dy: [Pack; DBIAS_ROWS_IN_FLIGHT] = [[0; 4]; DBIAS_ROWS_IN_FLIGHT];
                 let mut pre: [Pack; DBIAS_ROWS_IN_FLIGHT] = [[0; 4]; DBIAS_ROWS_IN_FLIGHT];
                 for r in 0..DBIAS_ROWS_IN_FLIGHT {
-                    if row + r < end {
-                        dy[r] =
-                            unsafe { Access::<T, VEC>::load(p.input_row::<T>(0, row + r), col) };
-                        pre[r] =
-                            unsafe { Access::<T, VEC>::load(p.input_row::<T>(1, row + r), col) };
+                    let at = row + r * slices;
+                    if at < end {
+                        dy[r] = unsafe { Access::<T, VEC>::load(p.input_row::<T>(0, at), col) };
+                        pre[r] = unsafe { Access::<T, VEC>::load(p.input_row::<T>(1, at), col) };
                     }
                 }
                 for r in 0..DBIAS_ROWS_IN_FLIGHT {
-                    if row + r < end {
+                    let at = row + r * slices;
+                    if at < end {
                         let mut dx = [0.0f32; 8];
                         for i in 0..len {
                             dx[i] = T::get(&dy[r], i) * grad_stored::<T, ACT>(T::get(&pre[r], i));
                             dbias[i] += dx[i];
                         }
-                        let out = p.output_row::<T>(0, row + r);
+                        let out = p.output_row::<T>(0, at);
                         unsafe { Access::<T, VEC>::store(out, col, &T::pack(&dx, len)) };
                     }
                 }
-                row += DBIAS_ROWS_IN_FLIGHT;
+                row += DBIAS_ROWS_IN_FLIGHT * slices;
             }
+        }
+        if slices > 1 {
+            // Slice 0 adds the other slices' sums of its column, in slice order. (Block-uniform:
+            // `slices` and the item loop are the same for every thread.)
+            for (i, v) in dbias.iter().enumerate() {
+                unsafe { shared.store(arch::thread_idx() * 8 + i, *v) };
+            }
+            arch::sync_threads();
+            if slice == 0 {
+                for s in 1..slices {
+                    for (i, v) in dbias.iter_mut().enumerate() {
+                        *v += unsafe { shared.load((s * columns + column) * 8 + i) };
+                    }
+                }
+            }
+            // The next item's stores wait for these loads.
+            arch::sync_threads();
+        }
+        if slice == 0 && a < per_row {
             let at = (group, d);
             unsafe { store_group_partials::<VEC>(&p.sums, p.partials, at, col, &dbias, len) };
         }

@@ -20,6 +20,8 @@ use crate::kernel::Dtype;
 #[cfg(not(target_arch = "nvptx64"))]
 use crate::kernel::{Table, no_shared};
 use kernels::{backward, backward_dbias, forward, gated_backward, gated_forward};
+#[cfg(not(target_arch = "nvptx64"))]
+use kernels::dbias_shared;
 
 /// The activation function. For the gated kernels: `Silu` is SwiGLU, `GeluErf`/`GeluTanh` GeGLU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -57,7 +59,7 @@ pub struct ActivationKey {
 macro_rules! activation_kernels {
     (
         activations: $acts:tt;
-        $( $name:literal => $family:ident, $body:ident; )*
+        $( $name:literal => $family:ident, $body:ident, $shared:path; )*
     ) => {
         $(
             #[cfg(target_arch = "nvptx64")]
@@ -65,7 +67,7 @@ macro_rules! activation_kernels {
         )*
         #[cfg(not(target_arch = "nvptx64"))]
         pub static KERNELS: Table<ActivationKey, Params> = Table::new(&[$(
-            activation_kernels!(@line $name, $family, $body, $acts)
+            activation_kernels!(@line $name, $family, $body, $shared, $acts)
         ),*]);
     };
     (@export $name:literal, $body:ident, [$($an:literal $act:ident),*]) => {
@@ -82,19 +84,19 @@ macro_rules! activation_kernels {
         $crate::kernel::kernel!(export $entry, Params,
             $body::<$crate::element::$t, $vec, { Activation::$act as u32 }>);
     };
-    (@line $name:literal, $family:ident, $body:ident, [$($an:literal $act:ident),*]) => {
+    (@line $name:literal, $family:ident, $body:ident, $shared:path, [$($an:literal $act:ident),*]) => {
         &[$(
             &[
-                activation_kernels!(@entry concat!($name, "_", $an, "_f32_v"), $family, $body, F32, true, $act),
-                activation_kernels!(@entry concat!($name, "_", $an, "_f32_s"), $family, $body, F32, false, $act),
-                activation_kernels!(@entry concat!($name, "_", $an, "_f16_v"), $family, $body, F16, true, $act),
-                activation_kernels!(@entry concat!($name, "_", $an, "_f16_s"), $family, $body, F16, false, $act),
-                activation_kernels!(@entry concat!($name, "_", $an, "_bf16_v"), $family, $body, Bf16, true, $act),
-                activation_kernels!(@entry concat!($name, "_", $an, "_bf16_s"), $family, $body, Bf16, false, $act),
+                activation_kernels!(@entry concat!($name, "_", $an, "_f32_v"), $family, $body, $shared, F32, true, $act),
+                activation_kernels!(@entry concat!($name, "_", $an, "_f32_s"), $family, $body, $shared, F32, false, $act),
+                activation_kernels!(@entry concat!($name, "_", $an, "_f16_v"), $family, $body, $shared, F16, true, $act),
+                activation_kernels!(@entry concat!($name, "_", $an, "_f16_s"), $family, $body, $shared, F16, false, $act),
+                activation_kernels!(@entry concat!($name, "_", $an, "_bf16_v"), $family, $body, $shared, Bf16, true, $act),
+                activation_kernels!(@entry concat!($name, "_", $an, "_bf16_s"), $family, $body, $shared, Bf16, false, $act),
             ]
         ),*]
     };
-    (@entry $entry:expr, $family:ident, $body:ident, $t:ident, $vec:literal, $act:ident) => {
+    (@entry $entry:expr, $family:ident, $body:ident, $shared:path, $t:ident, $vec:literal, $act:ident) => {
         $crate::kernel::kernel!(table $entry,
             ActivationKey {
                 family: Family::$family,
@@ -102,7 +104,7 @@ macro_rules! activation_kernels {
                 dtype: Dtype::$t,
                 vec: $vec,
             },
-            80, no_shared, false, 0,
+            80, $shared, false, 0,
             $body::<$crate::element::$t, $vec, { Activation::$act as u32 }>)
     };
 }
@@ -111,9 +113,10 @@ activation_kernels! {
     // Entry-name part and function of every activation.
     activations: ["relu" Relu, "silu" Silu, "gelu_erf" GeluErf, "gelu_tanh" GeluTanh];
 
-    "act_fwd" => Forward, forward;
-    "act_bwd" => Backward, backward;
-    "act_bwd_dbias" => BackwardDbias, backward_dbias;
-    "glu_fwd" => GatedForward, gated_forward;
-    "glu_bwd" => GatedBackward, gated_backward;
+    // Entry-name part, family, body, dynamic shared bytes for a block size.
+    "act_fwd" => Forward, forward, no_shared;
+    "act_bwd" => Backward, backward, no_shared;
+    "act_bwd_dbias" => BackwardDbias, backward_dbias, dbias_shared;
+    "glu_fwd" => GatedForward, gated_forward, no_shared;
+    "glu_bwd" => GatedBackward, gated_backward, no_shared;
 }

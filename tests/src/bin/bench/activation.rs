@@ -1,4 +1,5 @@
-//! Activations: plain, gated and with fused dbias, bf16, rows·d = 64Mi elements.
+//! Activations: plain, gated and with fused dbias, bf16, at 16384×4096 (an MLP's hidden layer)
+//! and 1048576×128 (narrow rows: dbias over many rows per column).
 
 use std::sync::Arc;
 
@@ -7,7 +8,7 @@ use normkern::activation::{self, Activation, GatedGrad, GatedInput};
 use normkern::cudarc::driver::{CudaSlice, CudaStream};
 use normkern::{Context, Rows};
 use normkern_tests::Rng;
-use normkern_tests::bench::{Timing, time};
+use normkern_tests::bench::{Timing, copy_timing, time};
 
 use crate::{Measurement, Settings};
 
@@ -20,9 +21,25 @@ struct Set {
     out1: CudaSlice<bf16>,
 }
 
+/// The activation shapes the bench measures (`--quick`: the first).
+const SHAPES: [(usize, usize); 2] = [(16384, 4096), (1048576, 128)];
+
 pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measurement> {
+    let shapes = if s.quick { &SHAPES[..1] } else { &SHAPES[..] };
+    shapes
+        .iter()
+        .flat_map(|&(rows, d)| run_shape(ctx, stream, s, rows, d))
+        .collect()
+}
+
+fn run_shape(
+    ctx: &Context,
+    stream: &Arc<CudaStream>,
+    s: &Settings,
+    rows: usize,
+    d: usize,
+) -> Vec<Measurement> {
     let gpu = ctx.on(stream).expect("the stream is the context's");
-    let (rows, d) = (16384, 4096);
     let n = rows * d;
     let mut rng = Rng::seeded(11);
     let host_a: Vec<bf16> = rng.vec(n, -4.0, 4.0);
@@ -42,6 +59,17 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
         .unwrap();
     let tensor = (n * 2) as f64;
     let mut out = Vec::new();
+    // The copy of one tensor: what an elementwise op moving these bytes can hope for, next to
+    // the 1 GiB copy every row is reported against (a smaller copy pays its ramp and tail).
+    let (_, copy) = copy_timing(ctx.cuda(), stream, n / 2, s.reps);
+    out.push(Measurement {
+        op: "copy (one tensor)",
+        rows,
+        d,
+        dtype: "bf16",
+        timing: copy,
+        bytes: 2.0 * tensor,
+    });
     let mut record = |op: String, timing: Timing, bytes: f64| {
         out.push(Measurement {
             op: leak(op),

@@ -1,11 +1,12 @@
 //! normkern's benchmark: every op against the device's copy bandwidth, measured in the same run.
 //!
 //! `cargo xtask bench [--reps N] [--warmup N] [--quick] [--shapes RxD,...] [--untracked]
-//! [--param-grads] [--strategy auto|two-pass|single-launch] [--sweep] [--csv PATH]`, or `./bench`
-//! in a bundle (`--param-grads`: only the small-batch latency and parameter-gradient strategy
-//! tables; `--sweep`: the norms over d = 128 … 65536 at 64 Mi elements, bf16, RMSNorm also in f32
-//! and f16, 50 reps unless `--reps` says otherwise; `--csv PATH`: the table as CSV too, for
-//! `cargo xtask plot-sweep`, by default `sweep.csv` with `--sweep`). Times are medians of CUDA
+//! [--param-grads] [--strategy auto|two-pass|single-launch] [--sweep] [--activations] [--csv PATH]`,
+//! or `./bench` in a bundle (`--param-grads`: only the small-batch latency and parameter-gradient
+//! strategy tables; `--activations`: only the activations; `--sweep`: the norms over d = 128 …
+//! 65536 at 64 Mi elements, bf16, RMSNorm also in f32 and f16, 50 reps unless `--reps` says
+//! otherwise; `--csv PATH`: the table as CSV too, for `cargo xtask plot-sweep`, by default
+//! `sweep.csv` with `--sweep`). Times are medians of CUDA
 //! event timings after warm-up; inputs rotate over enough sets to exceed L2; bytes count the
 //! minimal traffic (each input read once, each output written once). "host µs per call" is the
 //! median CPU time of the call itself (validation, launch plan, enqueueing).
@@ -130,6 +131,8 @@ fn main() {
     let mut results = Vec::new();
     if sweep {
         results.extend(norm::sweep(&ctx, &stream, &settings));
+    } else if args.iter().any(|a| a == "--activations") {
+        results.extend(activation::run(&ctx, &stream, &settings));
     } else {
         results.extend(norm::run(&ctx, &stream, &settings));
         if settings.shapes.is_none() {
