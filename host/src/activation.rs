@@ -488,11 +488,6 @@ impl Call {
 /// Threads per block of the elementwise kernels.
 const THREADS: usize = 256;
 
-/// Most accesses of a row per dbias work item: a warp's 32 (512 coalesced bytes of 16-bit rows),
-/// so a block takes 8 rows of a group at once and an item (a group's rows × 32 accesses) is a
-/// few microseconds of work. Items of a group's rows × 256 accesses (32 rows at 16384×4096)
-/// made two long waves whose uneven end cost as much as the column sum.
-const DBIAS_COLUMNS: usize = 32;
 
 /// The launches of an activation call: the elementwise kernel (none for no rows), then for dbias
 /// the column sum of its partials.
@@ -577,9 +572,11 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
         let family = call.key.family;
         let tiles = if call.dbias.is_some() {
             // A work item is a group × `columns` accesses of its rows, the block taking
-            // THREADS / columns of the group's rows at once. Only the shape decides `columns`,
-            // so it never changes the sums' order from one GPU or grid to another.
-            params.columns = (d / len).next_power_of_two().min(DBIAS_COLUMNS) as u32;
+            // THREADS / columns of the group's rows at once: rows narrower than a block keep
+            // every thread busy. Only the shape decides `columns`, so it never changes the sums'
+            // order from one GPU or grid to another. (Narrower items for wide rows too, 32 to
+            // 128 accesses, lost up to 10 points for GELU: `bench-results/h200.md`.)
+            params.columns = (d / len).next_power_of_two().min(THREADS) as u32;
             groups * (d / len).div_ceil(params.columns as usize)
         } else {
             accesses.div_ceil(THREADS * family.unroll())

@@ -120,10 +120,10 @@ pub struct ColumnSumParams {
 
 /// Threads per block of [`column_sum`]: 32 lanes × `COLUMN_SUM_SLICES` group slices.
 pub const COLUMN_SUM_THREADS: usize = 512;
-/// Loads each thread of [`column_sum`] keeps in flight with one column (half as many, of four
-/// columns each, with [`COLUMN_SUM_VECTOR`]): 16 sums 512 groups in two round trips instead of
-/// four. The sum order does not depend on it.
-const COLUMN_SUM_UNROLL: usize = 16;
+/// Loads each thread of [`column_sum`] keeps in flight with one column (a quarter as many, of
+/// four columns each, with [`COLUMN_SUM_VECTOR`]): 32 sums a slice's share of 512 groups in one
+/// round trip. The sum order does not depend on it.
+const COLUMN_SUM_UNROLL: usize = 32;
 /// Group slices per block of [`column_sum`]: slice `s` sums groups `s, s + 16, s + 32, …`, then the
 /// slices are added in slice order.
 pub const COLUMN_SUM_SLICES: usize = COLUMN_SUM_THREADS / WARP;
@@ -165,9 +165,9 @@ unsafe fn slice_sum<const COLUMNS: usize>(
     let mut acc = [0.0f32; COLUMNS];
     // Issue COLUMN_SUM_UNROLL independent loads, then add them in group order: the order is the
     // plain sequential one, the loads overlap instead of waiting one by one. Four columns per
-    // thread keep half as many loads in flight (twice the bytes).
+    // thread keep a quarter as many loads in flight (as many registers).
     let unroll = if COLUMNS > 1 {
-        COLUMN_SUM_UNROLL / 2
+        COLUMN_SUM_UNROLL / 4
     } else {
         COLUMN_SUM_UNROLL
     };
