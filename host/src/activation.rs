@@ -488,7 +488,6 @@ impl Call {
 /// Threads per block of the elementwise kernels.
 const THREADS: usize = 256;
 
-
 /// The launches of an activation call: the elementwise kernel (none for no rows), then for dbias
 /// the column sum of its partials.
 pub(crate) struct Plan {

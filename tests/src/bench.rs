@@ -80,7 +80,10 @@ pub fn copy_timing(
     let timing = time(ctx, stream, 5, reps, |_| {
         stream.memcpy_dtod(&src, &mut dst).expect("copy")
     });
-    (2.0 * (n * 4) as f64 / (timing.device_us * 1e-6) / 1e9, timing)
+    (
+        2.0 * (n * 4) as f64 / (timing.device_us * 1e-6) / 1e9,
+        timing,
+    )
 }
 
 /// An empty kernel: what one launch costs the host when the kernel does nothing.

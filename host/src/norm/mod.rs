@@ -181,10 +181,7 @@ impl<P: Copy> RowLaunch<P> {
                 };
                 if k.key.lanes != 0 && k.key == segment_tile {
                     let reach = k.key.lanes * k.key.vpt * len;
-                    if reach >= self.d
-                        && segment.is_none_or(|(best, _)| reach < best)
-                        && limit(k)? >= SEGMENT_THREADS
-                    {
+                    if reach >= self.d && segment.is_none_or(|(best, _)| reach < best) {
                         segment = Some((reach, k));
                     }
                 } else if k.key == block_tile && k.key.vpt != STREAM && tiles < register_tiles.len()
@@ -194,6 +191,14 @@ impl<P: Copy> RowLaunch<P> {
                 }
             }
             if let Some((_, k)) = segment {
+                // Never a fallback to another kernel (that would change the sums' order on some
+                // device): every sm_80+ part runs a block of 256 threads at a segment kernel's
+                // register budget.
+                if limit(k)? < SEGMENT_THREADS {
+                    return Err(Error::Internal(
+                        "the device cannot run a segment team's block of 256 threads",
+                    ));
+                }
                 return Ok(RowTile {
                     vpt: k.key.vpt,
                     threads: SEGMENT_THREADS,

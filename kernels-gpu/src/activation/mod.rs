@@ -19,9 +19,9 @@ pub use kernels::{Family, Params};
 use crate::kernel::Dtype;
 #[cfg(not(target_arch = "nvptx64"))]
 use crate::kernel::{Table, no_shared};
-use kernels::{backward, backward_dbias, forward, gated_backward, gated_forward};
 #[cfg(not(target_arch = "nvptx64"))]
 use kernels::dbias_shared;
+use kernels::{backward, backward_dbias, forward, gated_backward, gated_forward};
 
 /// The activation function. For the gated kernels: `Silu` is SwiGLU, `GeluErf`/`GeluTanh` GeGLU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
