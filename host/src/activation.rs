@@ -28,7 +28,7 @@ use crate::distributed::{Across, launch_backward};
 use crate::error::{Error, Result};
 use crate::executor::{Device, Executor, Launch};
 use crate::plan::{
-    GradientPlan, ParamGradients, Partials, check_gradients, full_grid, gradient_plan,
+    GradientPlan, GradientsOf, ParamGradients, Partials, check_gradients, full_grid, gradient_plan,
     gradient_workspace_len, packs_fit,
 };
 use crate::tensor::{Buffer, Dtype, Rows, expect_len};
@@ -520,6 +520,7 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
     let mut gradients = match call.dbias {
         Some((dbias, workspace)) => Some(gradient_plan(
             device,
+            GradientsOf::Activation,
             call.partials,
             (rows, d),
             workspace,
@@ -574,7 +575,7 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
             // THREADS / columns of the group's rows at once: rows narrower than a block keep
             // every thread busy. Only the shape decides `columns`, so it never changes the sums'
             // order from one GPU or grid to another. (Narrower items for wide rows too, 32 to
-            // 128 accesses, lost up to 10 points for GELU: `bench-results/h200.md`.)
+            // 128 accesses, lost up to 13 points for GELU: `bench-results/h200.md`.)
             params.columns = (d / len).next_power_of_two().min(THREADS) as u32;
             groups * (d / len).div_ceil(params.columns as usize)
         } else {

@@ -289,7 +289,9 @@ pub(crate) fn column_sum(
 pub enum ParamGradients {
     /// normkern's choice for the shape among the deterministic strategies (so the choice never
     /// changes a result): [`Self::SingleLaunch`] for calls of up to 2²² elements (`rows × d`),
-    /// where launches are most of the time, [`Self::TwoPass`] for larger ones.
+    /// where launches are most of the time, and for norm backwards of any size over rows of up
+    /// to 256 or of 513 to 8192 elements, where it was measured no slower; [`Self::TwoPass`]
+    /// for the others.
     #[default]
     Auto,
     /// Each group of rows writes an fp32 partial row into the workspace; a second kernel sums the
@@ -375,10 +377,36 @@ pub(crate) struct GradientPlan {
 }
 
 /// Most elements (`rows × d`) of a call for which [`ParamGradients::Auto`] picks the single
-/// launch. Larger calls keep two launches: their time is bandwidth, not launches, and a row
-/// kernel's blocks sum the partial rows more slowly than the column-sum kernel's where rows are
-/// narrow (one-warp blocks walking thousands of groups) or very wide (`bench-results/h200.md`).
+/// launch whatever the op (see [`auto_single_launch`] for larger ones).
 const AUTO_SINGLE_LAUNCH_MAX_ELEMS: usize = 1 << 22;
+
+/// Widest rows for which a norm backward of any size takes the single launch under
+/// [`ParamGradients::Auto`] (see [`auto_single_launch`]).
+const AUTO_SINGLE_LAUNCH_MAX_D: usize = 8192;
+
+/// Whose parameter gradients a backward sums: [`ParamGradients::Auto`] decides by it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GradientsOf {
+    /// dγ and dβ of a norm.
+    Norm,
+    /// dbias of an activation.
+    Activation,
+}
+
+/// Whether [`ParamGradients::Auto`] takes the single launch for `rows × d` (a function of the op
+/// and the shape alone; either way the bits are two-pass's). Every call of up to 2²² elements
+/// does: there launches are much of the time. Larger norm backwards do where an H200 measured the
+/// single launch no slower than two-pass at 2²⁶ elements (`bench-results/h200.md`, fourteenth
+/// session): rows of up to 256 elements (segment teams, at most 1024 groups) and of 513 to 8192.
+/// Rows of 257–512 take up to 8192 groups, which the row kernel's resident blocks sum more slowly
+/// than the column-sum kernel (70 against 78 % of copy at 262144×512), and rows wider than 8192
+/// lost 2.6–4 points; the activations' dbias lost 1.5 at 16384×4096 and keeps two launches there.
+fn auto_single_launch(of: GradientsOf, rows: usize, d: usize) -> bool {
+    rows.saturating_mul(d) <= AUTO_SINGLE_LAUNCH_MAX_ELEMS
+        || (of == GradientsOf::Norm
+            && (d <= column_sum::SEGMENT_ROW_ELEMS
+                || (column_sum::NARROW_ROW_ELEMS < d && d <= AUTO_SINGLE_LAUNCH_MAX_D)))
+}
 
 /// f32 elements of workspace for `sums` (1 or 2) parameter gradients of `d` elements over `rows`
 /// rows laid out as `partials` says: the single launch's barrier words, then the partial rows
@@ -434,6 +462,7 @@ pub(crate) fn check_gradients(partials: Partials, dtype: Dtype, activations: Dty
 /// [`check_gradients`]). The row kernel's launch then goes through [`GradientPlan::fit`].
 pub(crate) fn gradient_plan(
     device: &dyn Device,
+    of: GradientsOf,
     partials: Partials,
     (rows, d): (usize, usize),
     workspace: u64,
@@ -465,9 +494,7 @@ pub(crate) fn gradient_plan(
         column_sum(device, dtype, (partials[0], out[0]), second, groups, d)
     };
     let strategy = match partials {
-        Partials::Own(ParamGradients::Auto)
-            if rows.saturating_mul(d) > AUTO_SINGLE_LAUNCH_MAX_ELEMS =>
-        {
+        Partials::Own(ParamGradients::Auto) if !auto_single_launch(of, rows, d) => {
             ParamGradients::TwoPass
         }
         Partials::Own(strategy) => strategy,

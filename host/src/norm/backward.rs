@@ -9,8 +9,8 @@ use crate::distributed::{Across, launch_backward};
 use crate::error::{Error, Result};
 use crate::executor::{Device, Executor, Launch, optional_input, optional_output};
 use crate::plan::{
-    GradientPlan, ParamGradients, Partials, check_gradients, gradient_plan, gradient_workspace_len,
-    packs_fit,
+    GradientPlan, GradientsOf, ParamGradients, Partials, check_gradients, gradient_plan,
+    gradient_workspace_len, packs_fit,
 };
 use crate::tensor::{Buffer, Dtype, Rows, expect_len};
 
@@ -318,6 +318,7 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
     let (rows, d, dtype) = (call.rows, call.d, call.key.dtype);
     let mut gradients = gradient_plan(
         device,
+        GradientsOf::Norm,
         call.partials,
         (rows, d),
         call.workspace,
@@ -559,6 +560,30 @@ pub(crate) mod tests {
             (rows.params.partials, rows.params.dbeta_partials),
             (c.dweight, c.dbias)
         );
+    }
+
+    /// `Auto` takes the single launch for large norm backwards where it was measured no slower,
+    /// by the shape alone.
+    #[test]
+    fn auto_picks_the_single_launch_by_shape() {
+        for (rows, d, single) in [
+            (64, 4096, true),
+            (1 << 20, 128, true),
+            (1 << 18, 256, true),
+            (1 << 18, 512, false),
+            (65536, 1024, true),
+            (16384, 4096, true),
+            (8192, 8192, true),
+            (4096, 16384, false),
+            (1024, 65536, false),
+        ] {
+            let mut c = call(Norm::Rms, rows, d);
+            c.partials = Partials::Own(ParamGradients::Auto);
+            let plan = plan(&c, &H200).unwrap();
+            let cooperative = plan.rows.unwrap().cooperative;
+            assert_eq!(cooperative, single, "{rows}×{d}");
+            assert_eq!(plan.gradients.sums.is_none(), single, "{rows}×{d}");
+        }
     }
 
     #[test]
