@@ -479,22 +479,6 @@ pub(crate) mod tests {
         assert_eq!(wider.rows.unwrap().kernel.key.lanes, 0);
     }
 
-    /// The segment kernel is chosen by the shape alone: a device that could not run its block
-    /// of 256 threads gets an error, never another kernel (which would sum dγ in another order).
-    #[test]
-    fn a_segment_shape_never_falls_back_to_another_kernel() {
-        let starved = FakeH200 {
-            // Segment kernels (`…_v1l16`) at more registers than 256 threads can have.
-            registers: |name| {
-                let tile = name.rsplit('_').next().unwrap_or("");
-                if tile.contains('l') { 300 } else { 64 }
-            },
-            grid_limit: None,
-        };
-        let plan = plan(&call(Norm::Rms, 1 << 20, 128), &starved);
-        assert!(matches!(plan, Err(Error::Internal(_))), "{:?}", plan.err());
-    }
-
     #[test]
     fn a_row_that_fits_a_block_takes_the_preferred_block_and_even_rounds() {
         let plan = plan(&call(Norm::Rms, 16384, 4096), &H200).unwrap();
