@@ -542,7 +542,8 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
         addresses[5] = partials;
         let vec = packs_fit(call.key.dtype.bytes(), d, &addresses, &strides);
         let len = if vec { 16 / call.key.dtype.bytes() } else { 1 };
-        let accesses = rows * (d / len);
+        let per_row = d / len;
+        let accesses = rows * per_row;
         if accesses > u32::MAX as usize {
             return Err(Error::TooLarge {
                 what: "rows × d",
@@ -555,6 +556,12 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
             rows_per_group: rows_per_group as u32,
             groups: groups as u32,
             partials,
+            // A dbias work item is a group × `columns` accesses of its rows, the block taking
+            // THREADS / columns of the group's rows at once: rows narrower than a block keep
+            // every thread busy. Only the shape decides `columns`, so it never changes the sums'
+            // order from one GPU or grid to another. (Narrower items for wide rows too, 32 to
+            // 128 accesses, lost up to 13 points for GELU: `bench-results/h200.md`.)
+            columns: per_row.next_power_of_two().min(THREADS) as u32,
             ..Params::default()
         };
         for (i, (address, stride)) in inputs.iter().enumerate() {
@@ -571,13 +578,7 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
             .ok_or(Error::Internal("no activation kernel for this key"))?;
         let family = call.key.family;
         let tiles = if call.dbias.is_some() {
-            // A work item is a group × `columns` accesses of its rows, the block taking
-            // THREADS / columns of the group's rows at once: rows narrower than a block keep
-            // every thread busy. Only the shape decides `columns`, so it never changes the sums'
-            // order from one GPU or grid to another. (Narrower items for wide rows too, 32 to
-            // 128 accesses, lost up to 13 points for GELU: `bench-results/h200.md`.)
-            params.columns = (d / len).next_power_of_two().min(THREADS) as u32;
-            groups * (d / len).div_ceil(params.columns as usize)
+            groups * per_row.div_ceil(params.columns as usize)
         } else {
             accesses.div_ceil(THREADS * family.unroll())
         };
