@@ -281,7 +281,9 @@ pub(crate) fn run_across<E: Executor, T: Dtype, H: Dtype, W: Dtype, G: Dtype>(
     let (dbias, _dbias) = optional_output(exec, "dbias", args.dbias.as_mut())?;
     let (workspace, _workspace) = exec.output("workspace", &mut args.workspace)?;
     let call = Call {
-        key: NormKey::call(norm, dresidual != 0 || x_f32, T::KERNEL),
+        // The `_res` kernels hold x as f32 for an f32 residual stream; the plain ones add a
+        // dresidual in the activations' dtype themselves.
+        key: NormKey::call(norm, x_f32, T::KERNEL),
         rows,
         d,
         dy: (dy, args.dy.stride),
@@ -477,6 +479,16 @@ pub(crate) mod tests {
         }
         let wider = plan(&call(Norm::Layer, 1 << 20, 512), &H200).unwrap();
         assert_eq!(wider.rows.unwrap().kernel.key.lanes, 0);
+        // Single elements (d not a multiple of the pack): four a lane, γ in registers for
+        // LayerNorm too (in shared memory its 256 threads would need more than 48 KB).
+        for (norm, name) in [
+            (Norm::Rms, "rms_norm_bwd_bf16_s4l32"),
+            (Norm::Layer, "layer_norm_bwd_bf16_s4l32"),
+        ] {
+            let rows = plan(&call(norm, 9000, 100), &H200).unwrap().rows.unwrap();
+            assert_eq!((rows.kernel.name, rows.block), (name, 256));
+            assert!(rows.shared_bytes <= 48 * 1024);
+        }
     }
 
     #[test]

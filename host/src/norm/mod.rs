@@ -182,9 +182,7 @@ impl<P: Copy> RowLaunch<P> {
                 if k.key.lanes != 0 && k.key == segment_tile {
                     let reach = k.key.lanes * k.key.vpt * len;
                     // A segment kernel the device cannot run as a block of 256 threads is
-                    // passed over (the emulator's block limits stand in for registers; the
-                    // LayerNorm backward's single-element instance needs 66 KB of shared
-                    // memory there, over the default 48 KB, everywhere).
+                    // passed over (the emulator's block limits stand in for registers).
                     if reach >= self.d
                         && segment.is_none_or(|(best, _)| reach < best)
                         && limit(k)? >= SEGMENT_THREADS

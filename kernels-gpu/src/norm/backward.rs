@@ -34,11 +34,13 @@ pub unsafe fn backward<
     p: &BackwardParams,
 ) {
     let team = Team::new(CLUSTER, LANES);
-    let plain = Plain {
-        x: p.x,
-        stride: p.x_stride,
-    };
-    let area = combine_words(gamma_end(N::CENTERED, VPT, SEGMENT_THREADS), VPT, LANES).0;
+    let plain = Plain::backward(p);
+    let area = combine_words(
+        gamma_end(N::CENTERED, VPT, LANES, SEGMENT_THREADS),
+        VPT,
+        LANES,
+    )
+    .0;
     unsafe {
         match (VPT == STREAM, RESIDUAL) {
             (false, false) if LANES != 0 => {

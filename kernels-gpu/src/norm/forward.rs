@@ -63,10 +63,7 @@ pub unsafe fn forward<
     p: &ForwardParams,
 ) {
     let team = Team::new(CLUSTER, LANES);
-    let plain = Plain {
-        x: p.x,
-        stride: p.x_stride,
-    };
+    let plain = Plain::rows(p.x, p.x_stride);
     unsafe {
         match (VPT == STREAM, RESIDUAL) {
             (true, false) => forward_stream::<T, VEC, N, _>(p, plain, team),

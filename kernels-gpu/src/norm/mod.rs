@@ -18,9 +18,12 @@
 //! `h = x + residual` (fp32 sum, one rounding) to `residual_out` and normalizes h *as stored*, so a
 //! backward that takes `residual_out` as its x sees exactly the row the forward normalized. The
 //! backward adds the gradient arriving on `residual_out` into dx before its one rounding. Residual
-//! rows are in the activations' dtype or f32 (a runtime flag, like the parameters'), so one kernel
-//! covers both. The plain kernels contain none of it: where the row comes from is a type parameter
-//! of the bodies (`rows`), so they do no residual work.
+//! rows are in the activations' dtype or f32 (a runtime flag, like the parameters'), so one
+//! forward kernel covers both. The backward's `_res` kernels serve an f32 residual stream (x held
+//! as f32); a stream in the activations' dtype takes the plain kernels, which add a dresidual next
+//! to dx's store when one is given (its rows hold x packed, half the registers: the `_res` tiles
+//! had no room to keep a row in flight). The plain forward contains none of it: where the row comes
+//! from is a type parameter of the bodies (`rows`).
 //!
 //! Rows that a warp reaches are taken by segment teams ([`segments`], the `LANES` instances):
 //! 8 to 32 lanes per row, several rows per warp, shuffles instead of block barriers. Otherwise

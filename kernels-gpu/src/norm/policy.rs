@@ -23,12 +23,14 @@ pub const fn forward_prefetches(centered: bool, residual: bool, vpt: usize) -> b
 }
 
 /// Whether a backward register tile holds γ in shared memory rather than in registers:
-/// LayerNorm's tiles of two or more accesses per thread. Their rows, dγ and dβ fill the
+/// LayerNorm's block tiles of two or more accesses per thread. Their rows, dγ and dβ fill the
 /// registers: the widest plain tile needs the room for the next row (it waits on two reductions per
 /// row, so it needs one in flight), the two-access tile to keep two blocks per SM (128 registers)
-/// without spilling, the widest residual tile to stay within 255.
-pub const fn gamma_in_shared(centered: bool, vpt: usize) -> bool {
-    centered && vpt >= 2
+/// without spilling, the widest residual tile to stay within 255. Segment teams (`lanes` ≠ 0) keep
+/// it in registers: their one multi-access instance takes single elements (4 a lane), and 256
+/// threads' γ in shared memory would need 66 KB, more than a block may have without opting in.
+pub const fn gamma_in_shared(centered: bool, vpt: usize, lanes: usize) -> bool {
+    centered && vpt >= 2 && lanes == 0
 }
 
 /// Whether a backward instance stages its rows through shared memory
@@ -41,8 +43,8 @@ pub const fn staged(cluster: bool, residual: bool, vpt: usize) -> bool {
 
 /// The first word past the reducer's and γ's ([`gamma_in_shared`]) of a backward block of
 /// `threads` threads with `vpt` accesses each.
-pub(super) const fn gamma_end(centered: bool, vpt: usize, threads: usize) -> usize {
-    if gamma_in_shared(centered, vpt) {
+pub(super) const fn gamma_end(centered: bool, vpt: usize, lanes: usize, threads: usize) -> usize {
+    if gamma_in_shared(centered, vpt, lanes) {
         SharedGamma::BASE + vpt * threads * 8
     } else {
         ROW_REDUCER_SHARED_WORDS
@@ -78,7 +80,7 @@ pub fn backward_shared_bytes<
 >(
     threads: usize,
 ) -> usize {
-    let end = gamma_end(N::CENTERED, VPT, threads);
+    let end = gamma_end(N::CENTERED, VPT, LANES, threads);
     let words = if LANES != 0 {
         combine_words(end, VPT, LANES).1
     } else if staged(CLUSTER, RESIDUAL, VPT) {

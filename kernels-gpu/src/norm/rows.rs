@@ -23,6 +23,9 @@ pub(super) trait RowSource<T: Element, const VEC: bool>: Copy {
     type Extra: Copy + Default;
     /// Raw accesses hold more than one pack of `T`: too many registers to prefetch the widest tile.
     const WIDE: bool;
+    /// Backward: whether a tile that prefetches the next row prefetches its [`Self::Extra`] too
+    /// (else it is loaded next to dx's store).
+    const PREFETCH_EXTRA: bool = true;
     fn row(&self, row: usize) -> Self::Row;
     /// # Safety
     /// The access lies inside the rows, aligned as `VEC` requires.
@@ -52,26 +55,60 @@ pub(super) trait RowSource<T: Element, const VEC: bool>: Copy {
 }
 
 /// x itself, in the activations' dtype: the plain families. Held as loaded (packed `T`), which is
-/// what lets a bf16 row fit in half the registers of its f32 image.
+/// what lets a bf16 row fit in half the registers of its f32 image. In the backward, a dresidual
+/// in the same dtype (a residual stream stored like the activations) is added into dx: it is
+/// read once, next to dx's store, so it takes no registers across the row's reductions.
 #[derive(Clone, Copy)]
 pub(super) struct Plain {
     pub(super) x: u64,
     pub(super) stride: u64,
+    /// 0 for none.
+    pub(super) dresidual: u64,
+    pub(super) dresidual_stride: u64,
+}
+
+impl Plain {
+    /// x alone (the forward).
+    pub(super) fn rows(x: u64, stride: u64) -> Self {
+        Plain {
+            x,
+            stride,
+            dresidual: 0,
+            dresidual_stride: 0,
+        }
+    }
+
+    /// The backward's x, and its dresidual if any.
+    pub(super) fn backward(p: &BackwardParams) -> Self {
+        Plain {
+            x: p.x,
+            stride: p.x_stride,
+            dresidual: p.dresidual,
+            dresidual_stride: p.dresidual_stride,
+        }
+    }
 }
 
 impl<T: Element, const VEC: bool> RowSource<T, VEC> for Plain {
-    type Row = u64;
+    /// x, dresidual (0 for none).
+    type Row = (u64, u64);
     type Raw = Pack;
     type Held = Pack;
-    type Extra = ();
+    type Extra = Pack;
     const WIDE: bool = false;
+    const PREFETCH_EXTRA: bool = false;
     #[inline(always)]
-    fn row(&self, row: usize) -> u64 {
-        row_addr::<T>(self.x, row, self.stride)
+    fn row(&self, row: usize) -> (u64, u64) {
+        let dresidual = if self.dresidual != 0 {
+            row_addr::<T>(self.dresidual, row, self.dresidual_stride)
+        } else {
+            0
+        };
+        (row_addr::<T>(self.x, row, self.stride), dresidual)
     }
     #[inline(always)]
-    unsafe fn load(&self, row: &u64, elem: usize) -> Pack {
-        unsafe { Access::<T, VEC>::load(*row, elem) }
+    unsafe fn load(&self, row: &(u64, u64), elem: usize) -> Pack {
+        unsafe { Access::<T, VEC>::load(row.0, elem) }
     }
     #[inline(always)]
     fn hold(&self, raw: &Pack) -> Pack {
@@ -80,6 +117,22 @@ impl<T: Element, const VEC: bool> RowSource<T, VEC> for Plain {
     #[inline(always)]
     fn get(held: &Pack, i: usize) -> f32 {
         T::get(held, i)
+    }
+    #[inline(always)]
+    unsafe fn load_extra(&self, row: &(u64, u64), elem: usize) -> Pack {
+        if self.dresidual != 0 {
+            unsafe { Access::<T, VEC>::load(row.1, elem) }
+        } else {
+            Pack::default()
+        }
+    }
+    #[inline(always)]
+    fn dx(&self, dresidual: &Pack, i: usize, dx: f32) -> f32 {
+        if self.dresidual != 0 {
+            dx + T::get(dresidual, i)
+        } else {
+            dx
+        }
     }
 }
 
@@ -95,10 +148,7 @@ pub(super) struct AddResidual {
 impl AddResidual {
     pub(super) fn new(p: &ForwardParams) -> Self {
         AddResidual {
-            x: Plain {
-                x: p.x,
-                stride: p.x_stride,
-            },
+            x: Plain::rows(p.x, p.x_stride),
             residual: MixedRows {
                 base: p.residual,
                 stride: p.residual_stride,
@@ -123,7 +173,7 @@ impl<T: Element, const VEC: bool> RowSource<T, VEC> for AddResidual {
     #[inline(always)]
     fn row(&self, row: usize) -> (u64, u64, u64) {
         (
-            RowSource::<T, VEC>::row(&self.x, row),
+            RowSource::<T, VEC>::row(&self.x, row).0,
             self.residual.row::<T>(row),
             self.out.row::<T>(row),
         )

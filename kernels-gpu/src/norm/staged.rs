@@ -201,7 +201,7 @@ pub(super) unsafe fn backward_staged<
 ) {
     let d = p.d as usize;
     let ring = unsafe {
-        StagedRows::<T, VPT>::new(gamma_end(N::CENTERED, VPT, arch::block_dim()), team, d)
+        StagedRows::<T, VPT>::new(gamma_end(N::CENTERED, VPT, 0, arch::block_dim()), team, d)
     };
     let mut reducer = unsafe { RowReducer::new(team) };
     let tile = unsafe { BackwardTile::<T, VEC, VPT, N, Plain>::new(p, src, team) };
@@ -241,7 +241,7 @@ pub(super) unsafe fn backward_staged<
                 next_stats = load_stats::<N>(p, next_group.0);
             }
             let (x, dy) = unsafe { ring.take(i, |k| tile.elem(k)) };
-            let this = (x, dy, [(); VPT], stats);
+            let this = (x, dy, [[0; 4]; VPT], stats);
             unsafe {
                 let pass1 = tile.pass1(&mut reducer, &this);
                 // Pass 1 ended in a block barrier (its reduction), after every thread had read

@@ -88,8 +88,9 @@ pub(super) struct BackwardTile<
     shared_gamma: SharedGamma,
     /// Loads of row r+1 are issued before row r's reduction and stores, so a block always has a
     /// row in flight: with only a couple of blocks per SM that is what hides memory latency.
-    /// Without that, what only the stores need (dresidual) is loaded one access at a time next to
-    /// its store, to keep it out of the registers of the reductions.
+    /// Without that (or where the source says so, [`RowSource::PREFETCH_EXTRA`]), what only the
+    /// stores need (dresidual) is loaded one access at a time next to its store, to keep it out
+    /// of the registers of the reductions.
     pub(super) prefetch: bool,
     element: core::marker::PhantomData<(T, N)>,
 }
@@ -98,7 +99,6 @@ impl<T: Element, const VEC: bool, const VPT: usize, N: Normalization, S: RowSour
     BackwardTile<'_, T, VEC, VPT, N, S>
 {
     pub(super) const LEN: usize = Access::<T, VEC>::LEN;
-    pub(super) const GAMMA_IN_SHARED: bool = gamma_in_shared(N::CENTERED, VPT);
 
     /// # Safety
     /// As for [`backward`]; every thread of the block calls it.
@@ -126,13 +126,25 @@ impl<T: Element, const VEC: bool, const VPT: usize, N: Normalization, S: RowSour
             if tile.elem(k) < tile.d {
                 g = unsafe { param::<T, VEC>(p.gamma, tile.elem(k), p.params_f32, p.gamma_offset) };
             }
-            if Self::GAMMA_IN_SHARED {
+            if tile.gamma_in_shared() {
                 unsafe { tile.shared_gamma.store(k, &g, Self::LEN) };
             } else {
                 tile.gamma[k] = g;
             }
         }
         tile
+    }
+
+    /// [`gamma_in_shared`] for this tile (a constant: the team's lanes are the instance's).
+    #[inline(always)]
+    fn gamma_in_shared(&self) -> bool {
+        gamma_in_shared(N::CENTERED, VPT, self.team.lanes)
+    }
+
+    /// Whether [`Self::load`] loads the row's extra (dresidual) with it.
+    #[inline(always)]
+    fn prefetch_extra(&self) -> bool {
+        self.prefetch && S::PREFETCH_EXTRA
     }
 
     /// LayerNorm with a dβ to compute.
@@ -149,7 +161,7 @@ impl<T: Element, const VEC: bool, const VPT: usize, N: Normalization, S: RowSour
 
     #[inline(always)]
     pub(super) fn gamma(&self, k: usize) -> [f32; 8] {
-        if Self::GAMMA_IN_SHARED {
+        if self.gamma_in_shared() {
             unsafe { self.shared_gamma.load(k, Self::LEN) }
         } else {
             self.gamma[k]
@@ -175,7 +187,7 @@ impl<T: Element, const VEC: bool, const VPT: usize, N: Normalization, S: RowSour
         }
         let mut extra = [S::Extra::default(); VPT];
         for k in 0..VPT {
-            if self.prefetch && self.elem(k) < self.d {
+            if self.prefetch_extra() && self.elem(k) < self.d {
                 extra[k] = unsafe { self.src.load_extra(&src_row, self.elem(k)) };
             }
         }
@@ -255,7 +267,7 @@ impl<T: Element, const VEC: bool, const VPT: usize, N: Normalization, S: RowSour
         let src_row = self.src.row(row);
         for k in 0..VPT {
             if self.elem(k) < self.d {
-                let extra = if self.prefetch {
+                let extra = if self.prefetch_extra() {
                     extra[k]
                 } else {
                     unsafe { self.src.load_extra(&src_row, self.elem(k)) }

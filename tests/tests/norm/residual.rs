@@ -276,6 +276,8 @@ fn residual_matches_reference<T: TestDtype, R: TestDtype, H: TestDtype, B: Backe
 /// with packs needs rows wider than the emulator runs quickly: the GPU tests cover it.
 const SCALAR: ResidualShape = (5, 127, [130, 129, 131, 133]);
 const PACKED: ResidualShape = (3, 1000, [1000, 1016, 1008, 1024]);
+/// Rows a warp segment takes (25 packs: 32 lanes), 37 rows over a block's 8 teams.
+const SEGMENT: ResidualShape = (37, 200, [208, 200, 216, 224]);
 
 const LAYER: Kind = Kind::Layer { bias: true };
 
@@ -288,9 +290,14 @@ fn emulator_residual_in_the_activations_dtype() {
             (Kind::Rms, PACKED, false),
             (LAYER, SCALAR, false),
             (LAYER, PACKED, false),
+            (Kind::Rms, SEGMENT, false),
+            (LAYER, SEGMENT, true),
         ],
     );
-    residual_matches_reference::<f32, f32, f32, _>(&emulator(), &[(Kind::Rms, SCALAR, false)]);
+    residual_matches_reference::<f32, f32, f32, _>(
+        &emulator(),
+        &[(Kind::Rms, SCALAR, false), (LAYER, SEGMENT, false)],
+    );
 }
 
 #[test]
@@ -344,11 +351,13 @@ fn emulator_residual_normalizes_what_it_stores() {
 // ---------------------------------------------------------------------------------------------
 // The GPU.
 
-/// The 4096-wide register tile, the widest register tile, rows too wide for registers, and
-/// unaligned rows.
-const GPU_RESIDUAL_SHAPES: [ResidualShape; 4] = [
+/// Segment teams, the 4096-wide register tile, the widest block tile, a cluster's staged rows
+/// (16-bit), rows too wide for registers, and unaligned rows.
+const GPU_RESIDUAL_SHAPES: [ResidualShape; 6] = [
+    (30000, 128, [128, 136, 144, 128]),
     (4096, 4096, [4096, 4096, 4096, 4096]),
     (64, 8192, [8192, 8200, 8208, 8192]),
+    (300, 16384, [16384, 16392, 16384, 16400]),
     (16, 65536, [65536; 4]),
     (1000, 4097, [4099, 4101, 4103, 4097]),
 ];
