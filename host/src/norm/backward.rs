@@ -2,6 +2,7 @@
 //! sum of the dγ and dβ partials).
 
 use normkern_gpu::kernel::Dtype as KernelDtype;
+use normkern_gpu::norm::policy::plain_adds_dresidual;
 use normkern_gpu::norm::{BACKWARD, BackwardParams, Norm, NormKey, STREAM};
 
 use super::{RowLaunch, check_config, inv, params_f32, stored_f32, stride_in_elems};
@@ -281,8 +282,8 @@ pub(crate) fn run_across<E: Executor, T: Dtype, H: Dtype, W: Dtype, G: Dtype>(
     let (dbias, _dbias) = optional_output(exec, "dbias", args.dbias.as_mut())?;
     let (workspace, _workspace) = exec.output("workspace", &mut args.workspace)?;
     let call = Call {
-        // The `_res` kernels hold x as f32 for an f32 residual stream; the plain ones add a
-        // dresidual in the activations' dtype themselves.
+        // The `_res` kernels hold x as f32 for an f32 residual stream; some plain ones add a
+        // dresidual in the activations' dtype themselves (`plan`).
         key: NormKey::call(norm, x_f32, T::KERNEL),
         rows,
         d,
@@ -377,19 +378,33 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
             dresidual_stride: call.dresidual.1 as u64,
             sums: gradients.group_sums,
         };
-        let mut launch = RowLaunch {
-            table: &BACKWARD,
-            key: NormKey { vec, ..call.key },
-            d,
-            // The backward's parallelism is its dγ groups (at most 8192, 64 at 1024 rows),
-            // and its streaming instance re-reads the partial rows: clusters whenever a row
-            // needs them.
-            work: gradients.groups,
-            clusters: true,
-            items_per_team: false,
-            params,
+        let row_launch = |residual: bool| {
+            RowLaunch {
+                table: &BACKWARD,
+                key: NormKey {
+                    vec,
+                    residual,
+                    ..call.key
+                },
+                d,
+                // The backward's parallelism is its dγ groups (at most 8192, 64 at 1024 rows),
+                // and its streaming instance re-reads the partial rows: clusters whenever a row
+                // needs them.
+                work: gradients.groups,
+                clusters: true,
+                items_per_team: false,
+                params,
+            }
+            .plan(device, |_| false)
+        };
+        let mut launch = row_launch(call.key.residual)?;
+        let k = launch.kernel.key;
+        if call.dresidual.0 != 0 && !k.residual && !plain_adds_dresidual(k.vpt, k.cluster, k.lanes)
+        {
+            // A dresidual in the activations' dtype where the plain tile would not add it: the
+            // `_res` kernels' tile for the row.
+            launch = row_launch(true)?;
         }
-        .plan(device, |_| false)?;
         let locked = launch.params.sums.mode == normkern_gpu::column_sum::GROUP_SUMS_LOCKED;
         let key = launch.kernel.key;
         if locked && (key.cluster || key.vpt == STREAM || key.lanes != 0) {
@@ -595,6 +610,22 @@ pub(crate) mod tests {
         // dγ and dβ in one column-sum launch, four columns per thread.
         assert_ne!(plan.gradients.sums.as_ref().unwrap().params.partials2, 0);
         assert_eq!(plan.gradients.sums.as_ref().unwrap().params.columns, 4);
+    }
+
+    #[test]
+    fn a_dresidual_in_the_activations_dtype_takes_plain_tiles_that_add_it() {
+        for (d, name) in [
+            (128, "rms_norm_bwd_bf16_v1l16"),
+            (1024, "rms_norm_bwd_res_bf16_v1"),
+            (8192, "rms_norm_bwd_bf16_v4"),
+            (16384, "rms_norm_bwd_res_bf16_v4c"),
+            (131072, "rms_norm_bwd_res_bf16_vxc"),
+        ] {
+            let mut c = call(Norm::Rms, 4096, d);
+            c.dresidual = (10 << 20, d);
+            let rows = plan(&c, &H200).unwrap().rows.unwrap();
+            assert_eq!(rows.kernel.name, name, "d = {d}");
+        }
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use super::Normalization;
 use super::params::BackwardParams;
-use super::policy::{STREAM, gamma_end, staged};
+use super::policy::{STREAM, gamma_end, plain_adds_dresidual, staged};
 use super::rows::{Plain, ResidualBackward, RowSource, param, row_stats_stream};
 use super::segments::{SEGMENT_THREADS, backward_segments, combine_words};
 use super::staged::backward_staged;
@@ -34,7 +34,7 @@ pub unsafe fn backward<
     p: &BackwardParams,
 ) {
     let team = Team::new(CLUSTER, LANES);
-    let plain = Plain::backward(p);
+    let plain = Plain::backward(p, plain_adds_dresidual(VPT, CLUSTER, LANES));
     let area = combine_words(
         gamma_end(N::CENTERED, VPT, LANES, SEGMENT_THREADS),
         VPT,

@@ -19,11 +19,11 @@
 //! backward that takes `residual_out` as its x sees exactly the row the forward normalized. The
 //! backward adds the gradient arriving on `residual_out` into dx before its one rounding. Residual
 //! rows are in the activations' dtype or f32 (a runtime flag, like the parameters'), so one
-//! forward kernel covers both. The backward's `_res` kernels serve an f32 residual stream (x held
-//! as f32); a stream in the activations' dtype takes the plain kernels, which add a dresidual next
-//! to dx's store when one is given (its rows hold x packed, half the registers: the `_res` tiles
-//! had no room to keep a row in flight). The plain forward contains none of it: where the row comes
-//! from is a type parameter of the bodies (`rows`).
+//! kernel covers both. A backward whose residual stream is in the activations' dtype takes the
+//! plain segment teams and widest block tile where the `_res` ones lack the registers to keep a
+//! row in flight (`policy::plain_adds_dresidual`: x held packed, dresidual loaded next to dx's
+//! store). The other plain instances contain none of it: where the row comes from is a type
+//! parameter of the bodies (`rows`).
 //!
 //! Rows that a warp reaches are taken by segment teams ([`segments`], the `LANES` instances):
 //! 8 to 32 lanes per row, several rows per warp, shuffles instead of block barriers. Otherwise

@@ -33,6 +33,14 @@ pub const fn gamma_in_shared(centered: bool, vpt: usize, lanes: usize) -> bool {
     centered && vpt >= 2 && lanes == 0
 }
 
+/// Whether a plain backward instance adds a dresidual in the activations' dtype (loaded next to
+/// dx's store): segment teams and the widest block tile, where the `_res` instances hold the
+/// row as f32 without room for the next one. Elsewhere the `_res` instances, which prefetch
+/// dresidual with the row, are as fast or faster, and the plain ones skip the per-element adds.
+pub const fn plain_adds_dresidual(vpt: usize, cluster: bool, lanes: usize) -> bool {
+    lanes != 0 || (vpt == 4 && !cluster)
+}
+
 /// Whether a backward instance stages its rows through shared memory
 /// (`super::staged::StagedRows`): the plain register tiles of a cluster. Their blocks wait on
 /// each other every row, so each row waits for the slowest block's loads; the copy engine keeps

@@ -55,16 +55,20 @@ pub(super) trait RowSource<T: Element, const VEC: bool>: Copy {
 }
 
 /// x itself, in the activations' dtype: the plain families. Held as loaded (packed `T`), which is
-/// what lets a bf16 row fit in half the registers of its f32 image. In the backward, a dresidual
-/// in the same dtype (a residual stream stored like the activations) is added into dx: it is
-/// read once, next to dx's store, so it takes no registers across the row's reductions.
+/// what lets a bf16 row fit in half the registers of its f32 image. In the backward of the
+/// instances that take one ([`super::policy::plain_adds_dresidual`]), a dresidual in the same
+/// dtype (a residual stream stored like the activations) is added into dx: it is read once, next
+/// to dx's store, so it takes no registers across the row's reductions.
 #[derive(Clone, Copy)]
 pub(super) struct Plain {
     pub(super) x: u64,
     pub(super) stride: u64,
+    /// Whether the instance adds a dresidual: a constant of each instance, so those that do not
+    /// compile none of it.
+    adds: bool,
     /// 0 for none.
-    pub(super) dresidual: u64,
-    pub(super) dresidual_stride: u64,
+    dresidual: u64,
+    dresidual_stride: u64,
 }
 
 impl Plain {
@@ -73,18 +77,22 @@ impl Plain {
         Plain {
             x,
             stride,
+            adds: false,
             dresidual: 0,
             dresidual_stride: 0,
         }
     }
 
-    /// The backward's x, and its dresidual if any.
-    pub(super) fn backward(p: &BackwardParams) -> Self {
+    /// The backward's x, and its dresidual if the instance `adds` one.
+    pub(super) fn backward(p: &BackwardParams, adds: bool) -> Self {
+        if !adds {
+            return Self::rows(p.x, p.x_stride);
+        }
         Plain {
-            x: p.x,
-            stride: p.x_stride,
+            adds,
             dresidual: p.dresidual,
             dresidual_stride: p.dresidual_stride,
+            ..Self::rows(p.x, p.x_stride)
         }
     }
 }
@@ -123,12 +131,14 @@ impl<T: Element, const VEC: bool> RowSource<T, VEC> for Plain {
         if self.dresidual != 0 {
             unsafe { Access::<T, VEC>::load(row.1, elem) }
         } else {
-            Pack::default()
+            // −0 is the identity of IEEE addition (+0 + −0 = +0): dx keeps its bits, and the
+            // add below needs no per-element select.
+            T::pack(&[-0.0; 8], Access::<T, VEC>::LEN)
         }
     }
     #[inline(always)]
     fn dx(&self, dresidual: &Pack, i: usize, dx: f32) -> f32 {
-        if self.dresidual != 0 {
+        if self.adds {
             dx + T::get(dresidual, i)
         } else {
             dx
