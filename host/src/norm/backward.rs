@@ -699,13 +699,22 @@ pub(crate) mod tests {
         };
         assert_eq!(within(staged, 227 * 1024), 352);
         assert_eq!(within(staged, 99 * 1024), 128);
-        // Block instances and residual instances keep within 48 KiB whatever the device offers.
-        for k in [key(4, false, false), key(4, true, true)] {
+        // Residual and narrower block instances keep within 48 KiB whatever the device offers.
+        for k in [
+            key(2, false, false),
+            key(4, false, true),
+            key(4, true, true),
+        ] {
             let kernel = BACKWARD.find(&k).unwrap();
             assert!(!kernel.large_shared);
             let threads = within(kernel, 227 * 1024);
             assert!((kernel.shared_bytes)(threads) <= 48 * 1024, "{k:?}");
         }
+        // The widest block tile holds γ (LayerNorm) and the dresidual slots: a little more.
+        let widest = BACKWARD.find(&key(4, false, false)).unwrap();
+        assert!(widest.large_shared);
+        assert_eq!(within(widest, 227 * 1024), 1024);
+        assert_eq!(within(widest, 48 * 1024), 224);
     }
 
     /// The bounded search picks what a scan over every group size picks (the first cheapest),

@@ -439,6 +439,24 @@ impl SharedF32 {
     }
 }
 
+impl SharedF32 {
+    /// Copies at once (the emulator has no asynchronous copies).
+    ///
+    /// # Safety
+    /// `src` has 16 readable bytes.
+    pub unsafe fn copy16_async_from(self, i: usize, src: u64) {
+        assert!(
+            i.is_multiple_of(4) && src.is_multiple_of(16),
+            "16-byte asynchronous copy from {src:#x} to word {i}: not 16-byte aligned"
+        );
+        let v: [u32; 4] = core::array::from_fn(|w| unsafe { (src as *const u32).add(w).read() });
+        unsafe { self.store4(i, v.map(f32::from_bits)) };
+    }
+}
+
+/// Nothing to wait for: [`SharedF32::copy16_async_from`] copies at once.
+pub fn wait_async_copies() {}
+
 /// Word `i` of a block's shared memory, or a panic naming the access.
 fn shared_word<'a>(block: &'a Block, i: usize, what: &str) -> &'a AtomicU32 {
     match block.shared.get(i) {

@@ -387,6 +387,34 @@ impl SharedF32 {
     }
 }
 
+impl SharedF32 {
+    /// Starts copying 16 bytes from global memory at `src` into words `i..i + 4` of this block's
+    /// shared memory (`cp.async.cg.shared.global`, sm_80): no register holds them on the way.
+    /// This thread sees them after [`wait_async_copies`].
+    ///
+    /// # Safety
+    /// `src` is a 16-byte-aligned global address with 16 readable bytes; the words lie inside the
+    /// launch's dynamic shared memory, `i` a multiple of 4, and nothing else reads or writes them
+    /// until this thread has waited.
+    #[inline(always)]
+    pub unsafe fn copy16_async_from(self, i: usize, src: u64) {
+        unsafe {
+            asm!(
+                "cp.async.cg.shared.global [{d}], [{s}], 16;",
+                d = in(reg32) self.shared_address(i),
+                s = in(reg64) src,
+                options(nostack, preserves_flags)
+            );
+        }
+    }
+}
+
+/// Waits for this thread's [`SharedF32::copy16_async_from`] copies (`cp.async.wait_all`).
+#[inline(always)]
+pub fn wait_async_copies() {
+    unsafe { asm!("cp.async.wait_all;", options(nostack, preserves_flags)) }
+}
+
 /// Makes this thread's `mbarrier_init`s visible to the other blocks of the cluster, for their
 /// asynchronous stores (`fence.mbarrier_init.release.cluster`); a cluster barrier must follow.
 #[inline(always)]

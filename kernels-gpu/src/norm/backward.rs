@@ -3,7 +3,7 @@
 
 use super::Normalization;
 use super::params::BackwardParams;
-use super::policy::{STREAM, gamma_end, plain_adds_dresidual, staged};
+use super::policy::{STREAM, backward_words, gamma_end, plain_adds_dresidual, staged};
 use super::rows::{Plain, ResidualBackward, RowSource, param, row_stats_stream};
 use super::segments::{SEGMENT_THREADS, backward_segments, combine_words};
 use super::staged::backward_staged;
@@ -34,7 +34,13 @@ pub unsafe fn backward<
     p: &BackwardParams,
 ) {
     let team = Team::new(CLUSTER, LANES);
-    let plain = Plain::backward(p, plain_adds_dresidual(VPT, CLUSTER, LANES));
+    let threads = if LANES != 0 {
+        SEGMENT_THREADS
+    } else {
+        arch::block_dim()
+    };
+    let slots = backward_words(N::CENTERED, VPT, RESIDUAL, CLUSTER, LANES, threads).0;
+    let plain = Plain::backward(p, plain_adds_dresidual(VPT, CLUSTER, LANES), slots);
     let area = combine_words(
         gamma_end(N::CENTERED, VPT, LANES, SEGMENT_THREADS),
         VPT,
@@ -198,7 +204,7 @@ pub(super) unsafe fn backward_regs<
                 next = unsafe { tile.load(row + 1) };
             }
             unsafe {
-                let pass1 = tile.pass1(&mut reducer, &this);
+                let pass1 = tile.pass1(&mut reducer, row, &this);
                 tile.pass2(&mut reducer, row, &this, pass1, &mut dgamma, &mut dbeta);
             }
         }
@@ -287,7 +293,11 @@ pub(super) unsafe fn backward_stream<
             let mut a = tid;
             while a < accesses {
                 let x = src.hold(&unsafe { src.load(&src_row, a * len) });
-                let extra = unsafe { src.load_extra(&src_row, a * len) };
+                let extra = if src.has_extra() {
+                    unsafe { src.load_extra(&src_row, a * len, 0) }
+                } else {
+                    S::Extra::default()
+                };
                 let dy = unsafe { Access::<T, VEC>::load(dy_row, a * len) };
                 let g = unsafe { param::<T, VEC>(p.gamma, a * len, p.params_f32, p.gamma_offset) };
                 // Atomic sums add every row's contribution: there is no partial row to re-read.
@@ -308,7 +318,11 @@ pub(super) unsafe fn backward_stream<
                 for i in 0..len {
                     let dy_i = T::get(&dy, i);
                     let (v, x_hat) = dx_of.dx(S::get(&x, i), dy_i * g[i]);
-                    dx[i] = src.dx(&extra, i, v);
+                    dx[i] = if src.has_extra() {
+                        src.dx(&extra, i, v)
+                    } else {
+                        v
+                    };
                     dgamma[i] = arch::fma(dy_i, x_hat, dgamma[i]);
                     dbeta[i] += dy_i;
                 }

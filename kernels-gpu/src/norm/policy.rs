@@ -33,12 +33,12 @@ pub const fn gamma_in_shared(centered: bool, vpt: usize, lanes: usize) -> bool {
     centered && vpt >= 2 && lanes == 0
 }
 
-/// Whether a plain backward instance adds a dresidual in the activations' dtype (loaded next to
-/// dx's store): segment teams and the widest block tile, where the `_res` instances hold the
-/// row as f32 without room for the next one. Elsewhere the `_res` instances, which prefetch
-/// dresidual with the row, are as fast or faster, and the plain ones skip the per-element adds.
+/// Whether a plain backward instance adds a dresidual in the activations' dtype: the packed
+/// segment teams (one access a lane) and the widest block tile, where the `_res` instances hold
+/// the row as f32 without room for the next one. Elsewhere the `_res` instances, which prefetch
+/// dresidual with the row, are as fast or faster, and the plain ones compile none of it.
 pub const fn plain_adds_dresidual(vpt: usize, cluster: bool, lanes: usize) -> bool {
-    lanes != 0 || (vpt == 4 && !cluster)
+    (lanes != 0 && vpt == 1) || (lanes == 0 && vpt == 4 && !cluster)
 }
 
 /// Whether a backward instance stages its rows through shared memory
@@ -77,8 +77,36 @@ pub fn forward_shared_bytes<
     }
 }
 
-/// Dynamic shared memory of a backward block of `threads` threads: the reducer's words, γ where
-/// [`gamma_in_shared`], the rows in flight where [`staged`], and the segment teams' combine area.
+/// The words of a backward block of `threads` threads: where the dresidual slots start (see
+/// [`plain_adds_dresidual`]; the end of the rest where there are none) and the end. In order: the
+/// reducer's words, γ where [`gamma_in_shared`], the rows in flight where [`staged`] or the segment
+/// teams' combine area, then one 16-byte slot per access and thread that dresidual is copied into
+/// asynchronously while the row is reduced.
+pub(super) const fn backward_words(
+    centered: bool,
+    vpt: usize,
+    residual: bool,
+    cluster: bool,
+    lanes: usize,
+    threads: usize,
+) -> (usize, usize) {
+    let end = gamma_end(centered, vpt, lanes, threads);
+    let words = if lanes != 0 {
+        combine_words(end, vpt, lanes).1
+    } else if staged(cluster, residual, vpt) {
+        staged_words_end(end, vpt, threads)
+    } else {
+        end
+    };
+    if !residual && plain_adds_dresidual(vpt, cluster, lanes) {
+        let slots = words.next_multiple_of(4);
+        (slots, slots + vpt * threads * 4)
+    } else {
+        (words, words)
+    }
+}
+
+/// Dynamic shared memory of a backward block of `threads` threads ([`backward_words`]).
 pub fn backward_shared_bytes<
     N: Normalization,
     const VPT: usize,
@@ -88,15 +116,7 @@ pub fn backward_shared_bytes<
 >(
     threads: usize,
 ) -> usize {
-    let end = gamma_end(N::CENTERED, VPT, LANES, threads);
-    let words = if LANES != 0 {
-        combine_words(end, VPT, LANES).1
-    } else if staged(CLUSTER, RESIDUAL, VPT) {
-        staged_words_end(end, VPT, threads)
-    } else {
-        end
-    };
-    words * 4
+    backward_words(N::CENTERED, VPT, RESIDUAL, CLUSTER, LANES, threads).1 * 4
 }
 
 /// Whether a forward block may need more than the default 48 KiB of shared memory: never.
@@ -105,9 +125,11 @@ pub const fn forward_large_shared(_key: NormKey) -> bool {
 }
 
 /// Whether a backward block may need more than the default 48 KiB of shared memory: the
-/// [`staged`] ones, whose ring grows with the block.
+/// [`staged`] ones, whose ring grows with the block, and those with dresidual slots (LayerNorm's
+/// widest block tile holds γ there too: 48 KiB and a little more).
 pub const fn backward_large_shared(key: NormKey) -> bool {
     staged(key.cluster, key.residual, key.vpt)
+        || (!key.residual && plain_adds_dresidual(key.vpt, key.cluster, key.lanes))
 }
 
 /// LayerNorm's plain 2-pack block tile, the one instance whose natural register allocation

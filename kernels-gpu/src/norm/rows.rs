@@ -39,13 +39,26 @@ pub(super) trait RowSource<T: Element, const VEC: bool>: Copy {
     /// As for [`Self::load`], writable.
     #[inline(always)]
     unsafe fn emit(&self, _row: &Self::Row, _elem: usize, _held: &Self::Held) {}
-    /// Backward: loads one access of what is added into dx.
+    /// Backward: starts fetching access `k` (at `elem`) of what is added into dx, for
+    /// [`Self::load_extra`], where the source stages it on chip.
+    ///
+    /// # Safety
+    /// As for [`Self::load`]; every access a thread starts, it loads before starting the next row.
+    #[inline(always)]
+    unsafe fn start_extra(&self, _row: &Self::Row, _elem: usize, _k: usize) {}
+    /// Backward: loads access `k` (at `elem`) of what is added into dx.
     ///
     /// # Safety
     /// As for [`Self::load`].
     #[inline(always)]
-    unsafe fn load_extra(&self, _row: &Self::Row, _elem: usize) -> Self::Extra {
+    unsafe fn load_extra(&self, _row: &Self::Row, _elem: usize, _k: usize) -> Self::Extra {
         Self::Extra::default()
+    }
+    /// Backward: whether this call adds anything into dx ([`Self::dx`]); without it the backward
+    /// skips [`Self::load_extra`] and [`Self::dx`].
+    #[inline(always)]
+    fn has_extra(&self) -> bool {
+        true
     }
     /// Backward: element `i` of dx with the gradient arriving from elsewhere (dresidual) added.
     #[inline(always)]
@@ -69,6 +82,9 @@ pub(super) struct Plain {
     /// 0 for none.
     dresidual: u64,
     dresidual_stride: u64,
+    /// The shared word of the block's dresidual slots (16-byte accesses): access `k` of thread
+    /// `t` at `slots + 4·(k·block + t)`.
+    slots: usize,
 }
 
 impl Plain {
@@ -80,11 +96,13 @@ impl Plain {
             adds: false,
             dresidual: 0,
             dresidual_stride: 0,
+            slots: 0,
         }
     }
 
-    /// The backward's x, and its dresidual if the instance `adds` one.
-    pub(super) fn backward(p: &BackwardParams, adds: bool) -> Self {
+    /// The backward's x, and its dresidual if the instance `adds` one, staged in the shared
+    /// words from `slots` on.
+    pub(super) fn backward(p: &BackwardParams, adds: bool, slots: usize) -> Self {
         if !adds {
             return Self::rows(p.x, p.x_stride);
         }
@@ -92,8 +110,15 @@ impl Plain {
             adds,
             dresidual: p.dresidual,
             dresidual_stride: p.dresidual_stride,
+            slots,
             ..Self::rows(p.x, p.x_stride)
         }
+    }
+
+    /// The shared word of this thread's slot for access `k`.
+    #[inline(always)]
+    fn slot(&self, k: usize) -> usize {
+        self.slots + 4 * (k * arch::block_dim() + arch::thread_idx())
     }
 }
 
@@ -126,23 +151,31 @@ impl<T: Element, const VEC: bool> RowSource<T, VEC> for Plain {
     fn get(held: &Pack, i: usize) -> f32 {
         T::get(held, i)
     }
+    /// Packed accesses copy dresidual into the thread's slot while the row is reduced: its
+    /// latency is hidden without registers held across the reductions.
     #[inline(always)]
-    unsafe fn load_extra(&self, row: &(u64, u64), elem: usize) -> Pack {
-        if self.dresidual != 0 {
-            unsafe { Access::<T, VEC>::load(row.1, elem) }
-        } else {
-            // −0 is the identity of IEEE addition (+0 + −0 = +0): dx keeps its bits, and the
-            // add below needs no per-element select.
-            T::pack(&[-0.0; 8], Access::<T, VEC>::LEN)
+    unsafe fn start_extra(&self, row: &(u64, u64), elem: usize, k: usize) {
+        if VEC && self.dresidual != 0 {
+            let src = row.1 + (elem * T::BYTES) as u64;
+            unsafe { arch::shared_f32().copy16_async_from(self.slot(k), src) };
         }
     }
     #[inline(always)]
-    fn dx(&self, dresidual: &Pack, i: usize, dx: f32) -> f32 {
-        if self.adds {
-            dx + T::get(dresidual, i)
+    unsafe fn load_extra(&self, row: &(u64, u64), elem: usize, k: usize) -> Pack {
+        if VEC && self.dresidual != 0 {
+            arch::wait_async_copies();
+            unsafe { arch::shared_f32().load4(self.slot(k)) }.map(f32::to_bits)
         } else {
-            dx
+            unsafe { Access::<T, VEC>::load(row.1, elem) }
         }
+    }
+    #[inline(always)]
+    fn has_extra(&self) -> bool {
+        self.adds && self.dresidual != 0
+    }
+    #[inline(always)]
+    fn dx(&self, dresidual: &Pack, i: usize, dx: f32) -> f32 {
+        dx + T::get(dresidual, i)
     }
 }
 
@@ -271,7 +304,7 @@ impl<T: Element, const VEC: bool> RowSource<T, VEC> for ResidualBackward {
         held[i]
     }
     #[inline(always)]
-    unsafe fn load_extra(&self, row: &(u64, u64), elem: usize) -> Wide {
+    unsafe fn load_extra(&self, row: &(u64, u64), elem: usize, _k: usize) -> Wide {
         if self.dresidual.base != 0 {
             unsafe { self.dresidual.load::<T, VEC>(row.1, elem) }
         } else {

@@ -85,7 +85,7 @@ pub(super) unsafe fn backward_segments<
                 next = unsafe { tile.load(row + teams) };
             }
             unsafe {
-                let pass1 = tile.pass1(&mut reducer, &this);
+                let pass1 = tile.pass1(&mut reducer, row, &this);
                 tile.pass2(&mut reducer, row, &this, pass1, &mut dgamma, &mut dbeta);
             }
             row += teams;

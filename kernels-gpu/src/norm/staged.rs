@@ -243,7 +243,7 @@ pub(super) unsafe fn backward_staged<
             let (x, dy) = unsafe { ring.take(i, |k| tile.elem(k)) };
             let this = (x, dy, [[0; 4]; VPT], stats);
             unsafe {
-                let pass1 = tile.pass1(&mut reducer, &this);
+                let pass1 = tile.pass1(&mut reducer, row, &this);
                 // Pass 1 ended in a block barrier (its reduction), after every thread had read
                 // this row's stage: the stage can take the row `STAGES` ahead.
                 if filler && let Some(next) = fill.get() {

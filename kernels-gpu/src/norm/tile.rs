@@ -188,7 +188,7 @@ impl<T: Element, const VEC: bool, const VPT: usize, N: Normalization, S: RowSour
         let mut extra = [S::Extra::default(); VPT];
         for k in 0..VPT {
             if self.prefetch_extra() && self.elem(k) < self.d {
-                extra[k] = unsafe { self.src.load_extra(&src_row, self.elem(k)) };
+                extra[k] = unsafe { self.src.load_extra(&src_row, self.elem(k), k) };
             }
         }
         (x, dy, extra, load_stats::<N>(p, row))
@@ -205,7 +205,7 @@ impl<T: Element, const VEC: bool, const VPT: usize, N: Normalization, S: RowSour
         )
     }
 
-    /// Pass 1 of a row: x as used, its statistics, and the sums of `dŷ` and `dŷ·x̂` started.
+    /// Pass 1 of row `row`: x as used, its statistics, and the sums of `dŷ` and `dŷ·x̂` started.
     ///
     /// # Safety
     /// Every thread of the team calls it (it reduces).
@@ -213,10 +213,21 @@ impl<T: Element, const VEC: bool, const VPT: usize, N: Normalization, S: RowSour
     pub(super) unsafe fn pass1(
         &self,
         reducer: &mut RowReducer,
-        row: &LoadedRow<S::Raw, S::Extra, VPT>,
+        row: usize,
+        loaded: &LoadedRow<S::Raw, S::Extra, VPT>,
     ) -> Pass1<S::Held, VPT> {
         let p = self.p;
-        let (raw, dy, _, saved) = row;
+        let (raw, dy, _, saved) = loaded;
+        if !self.prefetch_extra() {
+            // What pass 2 adds into dx, fetched while this row is reduced (where the source
+            // stages it).
+            let src_row = self.src.row(row);
+            for k in 0..VPT {
+                if self.elem(k) < self.d {
+                    unsafe { self.src.start_extra(&src_row, self.elem(k), k) };
+                }
+            }
+        }
         let mut x = [S::Held::default(); VPT];
         for k in 0..VPT {
             x[k] = self.src.hold(&raw[k]);
@@ -258,26 +269,53 @@ impl<T: Element, const VEC: bool, const VPT: usize, N: Normalization, S: RowSour
     ) {
         let p = self.p;
         let (x, stats, sums) = pass1;
-        let (_, dy, extra, _) = loaded;
         let dx_of = DxRow::new(stats, unsafe {
             RowSums::means::<N>(reducer, sums, p.inv_d)
         });
+        // Two copies of the loop where the source may add something into dx, so a call without
+        // it runs none of the adds.
+        if self.src.has_extra() {
+            unsafe { self.write_dx::<true>(row, loaded, &x, dx_of, dgamma, dbeta) }
+        } else {
+            unsafe { self.write_dx::<false>(row, loaded, &x, dx_of, dgamma, dbeta) }
+        }
+    }
+
+    /// The end of [`Self::pass2`]: dx of each access (plus the source's extra if `EXTRA`), and the
+    /// row added into `dgamma` and `dbeta`.
+    ///
+    /// # Safety
+    /// As for [`Self::pass2`].
+    #[inline(always)]
+    unsafe fn write_dx<const EXTRA: bool>(
+        &self,
+        row: usize,
+        loaded: &LoadedRow<S::Raw, S::Extra, VPT>,
+        x: &[S::Held; VPT],
+        dx_of: DxRow,
+        dgamma: &mut [[f32; 8]; VPT],
+        dbeta: &mut [[f32; 8]; VPT],
+    ) {
+        let p = self.p;
+        let (_, dy, extra, _) = loaded;
         let with_dbeta = self.with_dbeta();
         let dx_row = row_addr::<T>(p.dx, row, p.dx_stride);
         let src_row = self.src.row(row);
         for k in 0..VPT {
             if self.elem(k) < self.d {
-                let extra = if self.prefetch_extra() {
+                let extra = if !EXTRA {
+                    S::Extra::default()
+                } else if self.prefetch_extra() {
                     extra[k]
                 } else {
-                    unsafe { self.src.load_extra(&src_row, self.elem(k)) }
+                    unsafe { self.src.load_extra(&src_row, self.elem(k), k) }
                 };
                 let gamma = self.gamma(k);
                 let mut dx = [0.0f32; 8];
                 for i in 0..Self::LEN {
                     let dy_i = T::get(&dy[k], i);
                     let (v, x_hat) = dx_of.dx(S::get(&x[k], i), dy_i * gamma[i]);
-                    dx[i] = self.src.dx(&extra, i, v);
+                    dx[i] = if EXTRA { self.src.dx(&extra, i, v) } else { v };
                     dgamma[k][i] = arch::fma(dy_i, x_hat, dgamma[k][i]);
                     if with_dbeta {
                         dbeta[k][i] += dy_i;
