@@ -106,7 +106,9 @@ pub(super) const fn backward_words(
     }
 }
 
-/// Dynamic shared memory of a backward block of `threads` threads ([`backward_words`]).
+/// Dynamic shared memory of a backward block of `threads` threads: the reducer's words, γ where
+/// [`gamma_in_shared`], the rows in flight where [`staged`] or the segment teams' combine area,
+/// and the dresidual slots where [`plain_adds_dresidual`].
 pub fn backward_shared_bytes<
     N: Normalization,
     const VPT: usize,
