@@ -70,8 +70,9 @@ pub(super) trait RowSource<T: Element, const VEC: bool>: Copy {
 /// x itself, in the activations' dtype: the plain families. Held as loaded (packed `T`), which is
 /// what lets a bf16 row fit in half the registers of its f32 image. In the backward of the
 /// instances that take one ([`super::policy::plain_adds_dresidual`]), a dresidual in the same
-/// dtype (a residual stream stored like the activations) is added into dx: it is read once, next
-/// to dx's store, so it takes no registers across the row's reductions.
+/// dtype (a residual stream stored like the activations) is added into dx: packed accesses copy
+/// it into shared memory while the row is reduced and read it back next to dx's store, so it
+/// takes no registers across the reductions (single elements load it there).
 #[derive(Clone, Copy)]
 pub(super) struct Plain {
     pub(super) x: u64,

@@ -351,8 +351,9 @@ fn emulator_residual_normalizes_what_it_stores() {
 // ---------------------------------------------------------------------------------------------
 // The GPU.
 
-/// Segment teams, the 4096-wide register tile, the widest block tile, a cluster's staged rows
-/// (16-bit), rows too wide for registers, and unaligned rows.
+/// Segment teams, the 4096-wide register tile, the widest block tile (these two plain with a
+/// dresidual in the activations' dtype), a cluster tile, rows too wide for registers, and
+/// unaligned rows.
 const GPU_RESIDUAL_SHAPES: [ResidualShape; 6] = [
     (30000, 128, [128, 136, 144, 128]),
     (4096, 4096, [4096, 4096, 4096, 4096]),
