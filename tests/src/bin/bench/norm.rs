@@ -1,5 +1,5 @@
-//! RMSNorm and LayerNorm (with bias), forward and backward; RMSNorm with the residual add fused
-//! in, the residual stream in bf16 and in f32; and the sweep over d (`--sweep`).
+//! RMSNorm and LayerNorm (with bias), forward and backward; both with the residual add fused in,
+//! the residual stream in bf16 (and RMSNorm's in f32); and the sweep over d (`--sweep`).
 
 use std::sync::Arc;
 
@@ -91,8 +91,8 @@ impl<T: TestDtype> Operands<T> {
     }
 }
 
-/// The bench's fixed shapes: RMSNorm and LayerNorm forward and backward, and RMSNorm with the
-/// residual add (bf16 and f32 residual stream), all bf16.
+/// The bench's fixed shapes: RMSNorm and LayerNorm forward and backward, both with the residual
+/// add (bf16 residual stream), and RMSNorm's with an f32 residual stream, all bf16.
 pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measurement> {
     let shapes: &[(usize, usize)] = if let Some(shapes) = &s.shapes {
         shapes
@@ -114,13 +114,13 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
     for &shape in shapes {
         out.extend(bf16_norms(on, s, &mut rng, shape));
         let dtype = "bf16, f32 residual";
-        out.extend(rms_norm_residual::<f32>(on, s, &mut rng, shape, dtype));
+        out.extend(norm_residual::<f32>(false, on, s, &mut rng, shape, dtype));
     }
     out
 }
 
-/// The sweep over d at 64 Mi elements: RMSNorm and LayerNorm forward and backward and RMSNorm
-/// with the residual add (bf16 residual stream), all bf16; RMSNorm also in f32 and f16, so a
+/// The sweep over d at 64 Mi elements: RMSNorm and LayerNorm forward and backward, plain and with
+/// the residual add (bf16 residual stream), all bf16; RMSNorm also in f32 and f16, so a
 /// dtype that falls off a cliff at some d shows.
 pub fn sweep(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measurement> {
     let mut out = Vec::new();
@@ -143,8 +143,8 @@ pub fn sweep(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measu
     out
 }
 
-/// What the bench and the sweep both measure in bf16 at one shape: RMSNorm, LayerNorm, and RMSNorm
-/// with the residual add (bf16 residual stream).
+/// What the bench and the sweep both measure in bf16 at one shape: RMSNorm and LayerNorm, plain
+/// and with the residual add (bf16 residual stream).
 fn bf16_norms(
     on: (&Context, &Arc<CudaStream>),
     s: &Settings,
@@ -156,7 +156,8 @@ fn bf16_norms(
     out.extend(layer_norm_fwd_bwd(on, s, &mut operands));
     // Freed before the residual's sets are allocated.
     drop(operands);
-    out.extend(rms_norm_residual::<bf16>(on, s, rng, shape, "bf16"));
+    out.extend(norm_residual::<bf16>(false, on, s, rng, shape, "bf16"));
+    out.extend(norm_residual::<bf16>(true, on, s, rng, shape, "bf16"));
     out
 }
 
@@ -286,12 +287,14 @@ struct ResidualSet<H: TestDtype> {
     h: CudaSlice<H>,
     /// The gradient arriving on residual_out.
     dresidual: CudaSlice<H>,
+    mean: CudaSlice<f32>,
     rstd: CudaSlice<f32>,
 }
 
-/// RMSNorm's forward with the residual add and its backward with dresidual at `rows × d`, the
-/// residual stream stored as `H`.
-fn rms_norm_residual<H: TestDtype>(
+/// RMSNorm's (`layer`: LayerNorm's, with bias) forward with the residual add and its backward
+/// with dresidual at `rows × d`, the residual stream stored as `H`.
+fn norm_residual<H: TestDtype>(
+    layer: bool,
     (ctx, stream): (&Context, &Arc<CudaStream>),
     s: &Settings,
     rng: &mut Rng,
@@ -316,14 +319,20 @@ fn rms_norm_residual<H: TestDtype>(
             residual: stream.clone_htod(&host_residual).unwrap(),
             h: stream.clone_htod(&host_residual).unwrap(),
             dresidual: stream.clone_htod(&host_dresidual).unwrap(),
+            mean: stream.alloc_zeros(rows).unwrap(),
             rstd: stream.alloc_zeros(rows).unwrap(),
         })
         .collect();
     let gamma = stream.clone_htod(&rng.vec::<bf16>(d, 0.5, 1.5)).unwrap();
+    let beta = stream.clone_htod(&rng.vec::<bf16>(d, -0.5, 0.5)).unwrap();
     let mut dgamma = stream.alloc_zeros::<bf16>(d).unwrap();
-    let mut ws = stream
-        .alloc_zeros::<f32>(rms_norm::workspace_len(rows, d).unwrap())
-        .unwrap();
+    let mut dbeta = stream.alloc_zeros::<bf16>(d).unwrap();
+    let workspace_len = if layer {
+        layer_norm::workspace_len(rows, d)
+    } else {
+        rms_norm::workspace_len(rows, d)
+    };
+    let mut ws = stream.alloc_zeros::<f32>(workspace_len.unwrap()).unwrap();
     let fwd = time(ctx.cuda(), stream, s.warmup, s.reps, |i| {
         let k = i % sets.len();
         let set = &mut sets[k];
@@ -333,7 +342,12 @@ fn rms_norm_residual<H: TestDtype>(
         let h = Rows::new(set.h.as_view_mut(), rows, d).unwrap();
         let args = NormForward::new(x, gamma.as_view(), y).eps(EPS);
         let args = args.rstd(set.rstd.as_view_mut()).residual(residual, h);
-        rms_norm::forward(gpu, args).unwrap();
+        if layer {
+            let args = args.bias(beta.as_view()).mean(set.mean.as_view_mut());
+            layer_norm::forward(gpu, args).unwrap();
+        } else {
+            rms_norm::forward(gpu, args).unwrap();
+        }
     });
     let bwd = time(ctx.cuda(), stream, s.warmup, s.reps, |i| {
         let k = i % sets.len();
@@ -344,31 +358,52 @@ fn rms_norm_residual<H: TestDtype>(
         let dresidual = Rows::new(set.dresidual.as_view(), rows, d).unwrap();
         let (dgamma, ws) = (dgamma.as_view_mut(), ws.as_view_mut());
         let args = NormBackward::new(dy, h, gamma.as_view(), dx, dgamma, ws).eps(EPS);
-        let args = args.param_gradients(s.strategy);
-        rms_norm::backward(gpu, args.rstd(set.rstd.as_view()).dresidual(dresidual)).unwrap();
+        let args = args.param_gradients(s.strategy).dresidual(dresidual);
+        if layer {
+            let args = args.mean_rstd(set.mean.as_view(), set.rstd.as_view());
+            layer_norm::backward(gpu, args.dbias(dbeta.as_view_mut())).unwrap();
+        } else {
+            rms_norm::backward(gpu, args.rstd(set.rstd.as_view())).unwrap();
+        }
     });
+    let (name, fwd_op, bwd_op) = if layer {
+        (
+            "layer_norm",
+            "layer_norm fwd + residual",
+            "layer_norm bwd + dresidual",
+        )
+    } else {
+        (
+            "rms_norm",
+            "rms_norm fwd + residual",
+            "rms_norm bwd + dresidual",
+        )
+    };
     eprintln!(
-        "rms_norm + residual ({dtype}) {rows}×{d}: fwd {:.1} µs, bwd {:.1} µs",
+        "{name} + residual ({dtype}) {rows}×{d}: fwd {:.1} µs, bwd {:.1} µs",
         fwd.device_us, bwd.device_us
     );
+    // LayerNorm's mean, β and dβ besides.
+    let (stats, params) = if layer { (2, 2) } else { (1, 1) };
     vec![
         Measurement {
-            op: "rms_norm fwd + residual",
+            op: fwd_op,
             rows,
             d,
             dtype,
             timing: fwd,
-            // x and residual read, y and residual_out written, rstd written, γ read.
-            bytes: (2 * n * 2 + 2 * n * h_bytes + rows * 4 + d * 2) as f64,
+            // x and residual read, y and residual_out written, the statistics written, γ (β) read.
+            bytes: (2 * n * 2 + 2 * n * h_bytes + stats * rows * 4 + params * d * 2) as f64,
         },
         Measurement {
-            op: "rms_norm bwd + dresidual",
+            op: bwd_op,
             rows,
             d,
             dtype,
             timing: bwd,
-            // dy read, dx written, x (residual_out) and dresidual read, rstd and γ read, dγ written.
-            bytes: (2 * n * 2 + 2 * n * h_bytes + rows * 4 + 2 * d * 2) as f64,
+            // dy read, dx written, x (residual_out) and dresidual read, the statistics and γ
+            // read, dγ (dβ) written.
+            bytes: (2 * n * 2 + 2 * n * h_bytes + stats * rows * 4 + (1 + params) * d * 2) as f64,
         },
     ]
 }
