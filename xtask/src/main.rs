@@ -92,46 +92,26 @@ fn ptxas_program() -> String {
 
 /// Assembles one architecture's PTX into a cubin with ptxas's defaults (-O3, as the driver's JIT
 /// would): the machine code a cold start loads instead of JIT-compiling every entry. Returns it
-/// with ptxas's resource report, from a second ptxas run at the same time (`-v` changes the
-/// cubin's bytes, so the cubin's own run goes without it).
+/// with ptxas's resource report (`-v`, which changes only the cubin's `.nv.info` metadata, not
+/// its code: one run gives both).
 fn assemble_cubin(arch: &str, ptx: &str) -> Result<(Vec<u8>, String)> {
     let dir = root().join("target/ptx").join(arch);
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let (input, output) = (dir.join("assemble.ptx"), dir.join("assemble.cubin"));
     std::fs::write(&input, ptx).map_err(|e| format!("{}: {e}", input.display()))?;
     let ptxas = ptxas_program();
-    let cannot_run = |e: std::io::Error| format!("cannot run ptxas ({ptxas}; set $PTXAS): {e}");
-    // The report goes to a file, not a pipe: a full pipe would stall it until the cubin is done.
-    let report_path = dir.join("assemble.report");
-    let report_file = std::fs::File::create(&report_path)
-        .map_err(|e| format!("{}: {e}", report_path.display()))?;
-    let mut report = Command::new(&ptxas)
-        .args(["-v", &format!("-arch={arch}")])
-        .arg(&input)
-        .args(["-o", "/dev/null"])
-        .stdout(std::process::Stdio::null())
-        .stderr(report_file)
-        .spawn()
-        .map_err(cannot_run)?;
     let out = Command::new(&ptxas)
-        .arg(format!("-arch={arch}"))
+        .args(["-v", &format!("-arch={arch}")])
         .arg(&input)
         .arg("-o")
         .arg(&output)
         .output()
-        .map_err(cannot_run)?;
+        .map_err(|e| format!("cannot run ptxas ({ptxas}; set $PTXAS): {e}"))?;
+    let report = String::from_utf8_lossy(&out.stderr).into_owned();
     if !out.status.success() {
-        return Err(format!(
-            "ptxas -arch={arch} failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        ));
+        return Err(format!("ptxas -v -arch={arch} failed:\n{report}"));
     }
     let cubin = std::fs::read(&output).map_err(|e| format!("{}: {e}", output.display()))?;
-    if !report.wait().map_err(cannot_run)?.success() {
-        return Err(format!("ptxas -v -arch={arch} failed"));
-    }
-    let report = std::fs::read_to_string(&report_path)
-        .map_err(|e| format!("{}: {e}", report_path.display()))?;
     Ok((cubin, report))
 }
 
