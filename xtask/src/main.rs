@@ -436,7 +436,7 @@ fn bundle(dir: PathBuf) -> Result {
 # Usage: ./run.sh [tests|bench|demo|sanitize|all] [extra args for the bench]
 #   tests     every test binary, GPU tests required (NORMKERN_REQUIRE_GPU=1)
 #   sanitize  compute-sanitizer's memcheck, racecheck, initcheck and synccheck over the sweep
-#             (every op, dtype and kernel family once)
+#             (every op, dtype and kernel family once), one run per tool and dtype
 #   all       tests, demo, bench
 set -uo pipefail
 cd "$(dirname "$0")"
@@ -450,8 +450,10 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == sanitize ]]; then
   for tool in memcheck racecheck initcheck synccheck; do
-    echo "== compute-sanitizer --tool $tool ./sweep"
-    compute-sanitizer --tool "$tool" --error-exitcode 99 ./sweep || status=1
+    for dtype in f32 f16 bf16; do
+      echo "== compute-sanitizer --tool $tool ./sweep $dtype"
+      compute-sanitizer --tool "$tool" --error-exitcode 99 ./sweep "$dtype" || status=1
+    done
   done
 fi
 if [[ $what == demo || $what == all ]]; then ./demo || status=1; fi
