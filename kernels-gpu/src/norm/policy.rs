@@ -138,19 +138,39 @@ pub const fn backward_large_shared(key: NormKey) -> bool {
 /// costs a resident block (an SM has 65536 registers: 256-thread blocks fit two at up to 128,
 /// four at up to 64) and which fits the smaller budget without spilling.
 const fn layer_norm_two_packs(key: NormKey) -> bool {
+    layer_norm_block_tile(key, false) && key.vpt == 2
+}
+
+/// LayerNorm's packed register tiles of one block (no cluster, no segment team), plain or with
+/// the residual add.
+const fn layer_norm_block_tile(key: NormKey, residual: bool) -> bool {
     matches!(key.norm, Norm::Layer)
-        && !key.residual
+        && key.residual == residual
         && key.vec
-        && key.vpt == 2
+        && key.vpt != STREAM
         && !key.cluster
         && key.lanes == 0
 }
 
-/// Registers per thread of a forward instance (0: ptxas's choice). The LayerNorm 2-pack tile
-/// prefetches the next row (it waits on two reductions per row) and takes 72 registers for
-/// sm_90; 64 keep four blocks resident without spills (56 spill).
+/// Registers per thread of a forward instance (0: ptxas's choice). LayerNorm's block tiles wait
+/// on two reductions per row, so resident warps are what hides their loads. The plain 2-pack tile
+/// prefetches the next row and takes 72 registers for sm_90; 64 keep four 256-thread blocks
+/// resident without spills (56 spill). The residual tiles hold the row as f32 (the stream may be
+/// f32): ptxas's own choice gave the 2-pack tile 93 (two blocks) and the 4-pack 168 (one block of
+/// 256 threads, none of 512); 80 (ptxas then takes 64) and 128 keep four and two without spills.
+/// Their cluster instances spill at 128 and keep ptxas's choice.
 pub const fn forward_register_budget(key: NormKey) -> u32 {
-    if layer_norm_two_packs(key) { 64 } else { 0 }
+    if layer_norm_two_packs(key) {
+        64
+    } else if layer_norm_block_tile(key, true) {
+        match key.vpt {
+            2 => 80,
+            4 => 128,
+            _ => 0,
+        }
+    } else {
+        0
+    }
 }
 
 /// Registers per thread of a backward instance (0: ptxas's choice). The LayerNorm 2-pack tile
