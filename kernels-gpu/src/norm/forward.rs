@@ -3,7 +3,10 @@
 use super::Normalization;
 use super::params::ForwardParams;
 use super::policy::{STREAM, forward_prefetches};
-use super::rows::{AddResidual, Plain, RowSource, param, row_stats_regs, row_stats_stream};
+use super::rows::{
+    AddResidual, Plain, RowSource, param, row_stats_regs, row_stats_stream, stream_accesses,
+    stream_in_pairs,
+};
 use crate::arch;
 use crate::element::{Access, Element, Pack, row_addr};
 use crate::reduce::{RowReducer, Team};
@@ -188,27 +191,33 @@ pub(super) unsafe fn forward_stream<
         save_stats::<N>(p, team, row, mean, rstd);
         let y_row = row_addr::<T>(p.y, row, p.y_stride);
         let src_row = src.row(row);
-        let mut a = tid;
-        while a < accesses {
-            let x = src.hold(&unsafe { src.load(&src_row, a * len) });
-            unsafe { src.emit(&src_row, a * len, &x) };
-            let g = unsafe { param::<T, VEC>(p.gamma, a * len, p.params_f32, p.gamma_offset) };
-            let b = if N::CENTERED && p.beta != 0 {
-                unsafe { param::<T, VEC>(p.beta, a * len, p.params_f32, 0.0) }
-            } else {
-                [0.0; 8]
-            };
-            let mut y: Pack = [0; 4];
-            for i in 0..len {
-                T::set(
-                    &mut y,
-                    i,
-                    normalize::<N>(S::get(&x, i), mean, rstd, g[i], b[i]),
-                );
-            }
-            unsafe { Access::<T, VEC>::store(y_row, a * len, &y) };
-            a += threads;
-        }
+        stream_accesses(
+            stream_in_pairs(S::WIDE),
+            tid,
+            threads,
+            accesses,
+            // SAFETY: the access lies inside the row.
+            |a| unsafe { src.load(&src_row, a * len) },
+            |a, raw| {
+                let x = src.hold(raw);
+                unsafe { src.emit(&src_row, a * len, &x) };
+                let g = unsafe { param::<T, VEC>(p.gamma, a * len, p.params_f32, p.gamma_offset) };
+                let b = if N::CENTERED && p.beta != 0 {
+                    unsafe { param::<T, VEC>(p.beta, a * len, p.params_f32, 0.0) }
+                } else {
+                    [0.0; 8]
+                };
+                let mut y: Pack = [0; 4];
+                for i in 0..len {
+                    T::set(
+                        &mut y,
+                        i,
+                        normalize::<N>(S::get(&x, i), mean, rstd, g[i], b[i]),
+                    );
+                }
+                unsafe { Access::<T, VEC>::store(y_row, a * len, &y) };
+            },
+        );
         row += stride;
     }
 }

@@ -431,8 +431,42 @@ pub(super) unsafe fn param<T: Element, const VEC: bool>(
     v
 }
 
+/// Whether a streaming pass keeps two loads per thread in flight (see [`stream_accesses`]): one
+/// at a time, the streaming tile (one 1024-thread block per SM) had 16 KB of loads in flight per
+/// SM. Sources of two operands (`RowSource::WIDE`) keep one: 1024 threads leave them no room.
+pub(super) const fn stream_in_pairs(wide: bool) -> bool {
+    !wide
+}
+
+/// Calls `f(a, raw)` for the accesses `a = first, first + step, …` below `accesses` of one
+/// streaming pass, in that order, with each access as loaded by `load`; `pairs` (a constant of
+/// the instance): the loads of two accesses are issued before the first of them is used.
+#[inline(always)]
+pub(super) fn stream_accesses<R>(
+    pairs: bool,
+    first: usize,
+    step: usize,
+    accesses: usize,
+    load: impl Fn(usize) -> R,
+    mut f: impl FnMut(usize, &R),
+) {
+    let mut a = first;
+    if pairs {
+        while a + step < accesses {
+            let (r0, r1) = (load(a), load(a + step));
+            f(a, &r0);
+            f(a + step, &r1);
+            a += 2 * step;
+        }
+    }
+    while a < accesses {
+        f(a, &load(a));
+        a += step;
+    }
+}
+
 /// `Σ f(x)` over one row of `d` elements, read from memory (L2, after the first pass) by the
-/// whole block; every thread gets the sum.
+/// whole block; every thread gets the sum. Each thread adds its accesses in order.
 ///
 /// # Safety
 /// The row is readable as the access requires; every thread of the block calls it.
@@ -448,13 +482,19 @@ pub(super) unsafe fn stream_sum<T: Element, const VEC: bool, S: RowSource<T, VEC
     let len = Access::<T, VEC>::LEN;
     let mut sum = 0.0f32;
     let row = src.row(row);
-    let mut a = team.tid;
-    while a < d.div_ceil(len) {
-        let x = src.hold(&unsafe { src.load(&row, a * len) });
-        for i in 0..len {
-            sum += f(S::get(&x, i));
-        }
-        a += team.threads;
-    }
+    stream_accesses(
+        stream_in_pairs(S::WIDE),
+        team.tid,
+        team.threads,
+        d.div_ceil(len),
+        // SAFETY: the access lies inside the row (the caller's contract).
+        |a| unsafe { src.load(&row, a * len) },
+        |_, raw| {
+            let x = src.hold(raw);
+            for i in 0..len {
+                sum += f(S::get(&x, i));
+            }
+        },
+    );
     unsafe { reducer.sum(sum) }
 }
