@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use normkern::cudarc::driver::sys::CUevent_flags;
-use normkern::cudarc::driver::{CudaContext, CudaSlice, CudaStream, LaunchConfig};
+use normkern::cudarc::driver::{CudaContext, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use normkern::cudarc::nvrtc::Ptx;
 
 /// Medians of one call's device time (CUDA events around it on the stream) and host time (what
@@ -15,7 +15,18 @@ pub struct Timing {
     pub host_us: f64,
 }
 
+/// How long the GPU spins before each timed call (ns): longer than any call's host time, so the
+/// call is enqueued before the GPU reaches it.
+const SPIN_NS: u64 = 50_000;
+
 /// Times `reps` calls of `f` after `warmup` untimed ones: [`Timing`] medians.
+///
+/// Each timed call is enqueued behind a kernel that spins for [`SPIN_NS`]: the events around the
+/// call then time its device work alone, as in a busy stream (and as `triton.testing.do_bench`
+/// times the peers, with a cache flush queued before each call), not the host's enqueueing, which
+/// is the separate host time. Without it, on an idle stream, the start event fired as soon as it
+/// was recorded and the device time included the call's host time and launch latency.
+/// `NORMKERN_BENCH_IDLE=1` times on an idle stream as before (for comparisons with old figures).
 pub fn time(
     ctx: &Arc<CudaContext>,
     stream: &Arc<CudaStream>,
@@ -29,7 +40,22 @@ pub fn time(
     let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
     let mut device = Vec::with_capacity(reps);
     let mut host = Vec::with_capacity(reps);
+    let idle = std::env::var("NORMKERN_BENCH_IDLE").is_ok_and(|v| v == "1");
+    let module = ctx
+        .load_module(Ptx::from_src(TIMING_KERNELS))
+        .expect("timing kernels");
+    let spin = module.load_function("spin").expect("spin kernel");
     for i in 0..reps {
+        if !idle {
+            // SAFETY: the kernel reads its one u64 parameter and the global timer, nothing else.
+            unsafe {
+                stream
+                    .launch_builder(&spin)
+                    .arg(&SPIN_NS)
+                    .launch(ONE_THREAD)
+            }
+            .expect("spin");
+        }
         let start = ctx.new_event(flags).expect("event");
         let end = ctx.new_event(flags).expect("event");
         start.record(stream).expect("record");
@@ -86,8 +112,9 @@ pub fn copy_timing(
     )
 }
 
-/// An empty kernel: what one launch costs the host when the kernel does nothing.
-const EMPTY_KERNEL: &str = "
+/// An empty kernel (what one launch costs the host when the kernel does nothing), and one that
+/// spins for `ns` nanoseconds of the global timer (what [`time`] enqueues calls behind).
+const TIMING_KERNELS: &str = "
 .version 7.0
 .target sm_80
 .address_size 64
@@ -95,13 +122,32 @@ const EMPTY_KERNEL: &str = "
 {
     ret;
 }
+.visible .entry spin(.param .u64 ns)
+{
+    .reg .u64 %rd<5>;
+    .reg .pred %p;
+    ld.param.u64 %rd1, [ns];
+    mov.u64 %rd2, %globaltimer;
+SPIN:
+    mov.u64 %rd3, %globaltimer;
+    sub.u64 %rd4, %rd3, %rd2;
+    setp.lt.u64 %p, %rd4, %rd1;
+    @%p bra SPIN;
+    ret;
+}
 ";
+
+const ONE_THREAD: LaunchConfig = LaunchConfig {
+    grid_dim: (1, 1, 1),
+    block_dim: (1, 1, 1),
+    shared_mem_bytes: 0,
+};
 
 /// Median host time (µs) of one launch of an empty kernel through cudarc (`cuLaunchKernel`), the
 /// floor under any call's host time: a call that enqueues n kernels costs at least n of these.
 pub fn launch_floor_us(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, reps: usize) -> f64 {
     let module = ctx
-        .load_module(Ptx::from_src(EMPTY_KERNEL))
+        .load_module(Ptx::from_src(TIMING_KERNELS))
         .expect("empty kernel");
     let empty = module.load_function("empty").expect("empty kernel");
     let config = LaunchConfig {

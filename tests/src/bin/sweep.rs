@@ -45,7 +45,10 @@ fn main() {
     let stream = ctx.cuda().new_stream().expect("stream");
     let gpu = ctx.on(&stream).expect("the stream is the context's");
     let asked: Vec<String> = std::env::args().skip(1).collect();
-    if let Some(bad) = asked.iter().find(|a| !["f32", "f16", "bf16"].contains(&a.as_str())) {
+    if let Some(bad) = asked
+        .iter()
+        .find(|a| !["f32", "f16", "bf16"].contains(&a.as_str()))
+    {
         eprintln!("sweep: unknown dtype {bad:?} (f32, f16, bf16)");
         std::process::exit(2);
     }

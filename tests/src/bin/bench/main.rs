@@ -7,7 +7,8 @@
 //! 65536 at 64 Mi elements, bf16, RMSNorm also in f32 and f16, 50 reps unless `--reps` says
 //! otherwise; `--csv PATH`: the table as CSV too, for `cargo xtask plot-sweep`, by default
 //! `sweep.csv` with `--sweep`). Times are medians of CUDA
-//! event timings after warm-up; inputs rotate over enough sets to exceed L2; bytes count the
+//! event timings after warm-up, each call enqueued behind a spin kernel so that its events time
+//! its device work alone (`NORMKERN_BENCH_IDLE=1`: on an idle stream, as before 2026-12-02); inputs rotate over enough sets to exceed L2; bytes count the
 //! minimal traffic (each input read once, each output written once). "host µs per call" is the
 //! median CPU time of the call itself (validation, launch plan, enqueueing).
 
@@ -148,6 +149,14 @@ fn main() {
     println!("copy bandwidth (device-to-device, read + write): {copy:.0} GB/s");
     println!(
         "launch floor: {launch_floor:.1} host µs per launch of an empty kernel (cudarc, median of 1000)"
+    );
+    println!(
+        "device µs: CUDA events around each call, {}",
+        if std::env::var("NORMKERN_BENCH_IDLE").is_ok_and(|v| v == "1") {
+            "on an idle stream (NORMKERN_BENCH_IDLE=1: includes the call's host time and launch latency)"
+        } else {
+            "enqueued behind a 50 µs spin kernel (the call's device work alone)"
+        }
     );
     println!("| op | rows×d | dtype | µs | GB/s | % of copy | host µs per call |");
     println!("|---|---|---|---:|---:|---:|---:|");
