@@ -32,6 +32,34 @@ pub fn time(
     stream: &Arc<CudaStream>,
     warmup: usize,
     reps: usize,
+    f: impl FnMut(usize),
+) -> Timing {
+    time_on(ctx, stream, warmup, reps, !idle_timing(), f)
+}
+
+/// Whether `NORMKERN_BENCH_IDLE=1` asks [`time`] for the idle-stream timing.
+pub fn idle_timing() -> bool {
+    std::env::var("NORMKERN_BENCH_IDLE").is_ok_and(|v| v == "1")
+}
+
+/// As [`time`], always on an idle stream: the latency of a lone call, its host time and launch
+/// included (the small-batch latency table).
+pub fn time_lone(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    warmup: usize,
+    reps: usize,
+    f: impl FnMut(usize),
+) -> Timing {
+    time_on(ctx, stream, warmup, reps, false, f)
+}
+
+fn time_on(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    warmup: usize,
+    reps: usize,
+    behind_spin: bool,
     mut f: impl FnMut(usize),
 ) -> Timing {
     for i in 0..warmup {
@@ -40,13 +68,12 @@ pub fn time(
     let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
     let mut device = Vec::with_capacity(reps);
     let mut host = Vec::with_capacity(reps);
-    let idle = std::env::var("NORMKERN_BENCH_IDLE").is_ok_and(|v| v == "1");
     let module = ctx
         .load_module(Ptx::from_src(TIMING_KERNELS))
         .expect("timing kernels");
     let spin = module.load_function("spin").expect("spin kernel");
     for i in 0..reps {
-        if !idle {
+        if behind_spin {
             // SAFETY: the kernel reads its one u64 parameter and the global timer, nothing else.
             unsafe {
                 stream

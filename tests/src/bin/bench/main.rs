@@ -8,7 +8,8 @@
 //! otherwise; `--csv PATH`: the table as CSV too, for `cargo xtask plot-sweep`, by default
 //! `sweep.csv` with `--sweep`). Times are medians of CUDA
 //! event timings after warm-up, each call enqueued behind a spin kernel so that its events time
-//! its device work alone (`NORMKERN_BENCH_IDLE=1`: on an idle stream, as before 2026-12-02); inputs rotate over enough sets to exceed L2; bytes count the
+//! its device work alone (`NORMKERN_BENCH_IDLE=1`: on an idle stream, as before 2026-12-02; the
+//! `--param-grads` latency table always times lone calls on an idle stream, launch included); inputs rotate over enough sets to exceed L2; bytes count the
 //! minimal traffic (each input read once, each output written once). "host µs per call" is the
 //! median CPU time of the call itself (validation, launch plan, enqueueing).
 
@@ -17,7 +18,7 @@ mod norm;
 mod param_grads;
 
 use normkern::{Context, ParamGradients};
-use normkern_tests::bench::{Timing, copy_bandwidth, launch_floor_us};
+use normkern_tests::bench::{Timing, copy_bandwidth, idle_timing, launch_floor_us};
 
 /// One measured row of the table.
 pub struct Measurement {
@@ -152,7 +153,7 @@ fn main() {
     );
     println!(
         "device µs: CUDA events around each call, {}",
-        if std::env::var("NORMKERN_BENCH_IDLE").is_ok_and(|v| v == "1") {
+        if idle_timing() {
             "on an idle stream (NORMKERN_BENCH_IDLE=1: includes the call's host time and launch latency)"
         } else {
             "enqueued behind a 50 µs spin kernel (the call's device work alone)"

@@ -11,7 +11,7 @@ use normkern::cudarc::driver::{CudaSlice, CudaStream};
 use normkern::{Context, Dtype, Gpu, NormBackward, NormForward, ParamGradients, Rows};
 use normkern::{layer_norm, rms_norm};
 use normkern_tests::Rng;
-use normkern_tests::bench::{median_us, time};
+use normkern_tests::bench::{time, time_lone};
 
 const EPS: f32 = 1e-6;
 
@@ -101,21 +101,21 @@ impl<G: Dtype + normkern_tests::TestDtype + normkern::cudarc::driver::ValidAsZer
     }
 }
 
-/// Median µs of `call` eager (CUDA events around it) with its median host µs, and of one
-/// replay of a graph that captured it.
+/// Median µs of `call` eager (CUDA events around it on an idle stream: a lone call's latency) with
+/// its median host µs, and of one replay of a graph that captured it (likewise).
 fn eager_and_graph(
     ctx: &Context,
     stream: &Arc<CudaStream>,
     mut call: impl FnMut(),
 ) -> (f64, f64, f64) {
-    let eager = time(ctx.cuda(), stream, 20, 200, |_| call());
+    let eager = time_lone(ctx.cuda(), stream, 20, 200, |_| call());
     stream
         .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .unwrap();
     call();
     let graph = stream.end_capture(CUgraphInstantiate_flags(0)).unwrap();
     let graph = graph.expect("a captured graph");
-    let replay = median_us(ctx.cuda(), stream, 20, 200, |_| graph.launch().unwrap());
+    let replay = time_lone(ctx.cuda(), stream, 20, 200, |_| graph.launch().unwrap()).device_us;
     (eager.device_us, replay, eager.host_us)
 }
 
