@@ -2,10 +2,9 @@
 
 use super::Normalization;
 use super::params::ForwardParams;
-use super::policy::{STREAM, forward_prefetches};
+use super::policy::{STREAM, forward_prefetches, stream_in_pairs};
 use super::rows::{
     AddResidual, Plain, RowSource, param, row_stats_regs, row_stats_stream, stream_accesses,
-    stream_in_pairs,
 };
 use crate::arch;
 use crate::element::{Access, Element, Pack, row_addr};

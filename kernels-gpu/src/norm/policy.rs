@@ -22,6 +22,14 @@ pub const fn forward_prefetches(centered: bool, residual: bool, vpt: usize) -> b
     !residual && (vpt >= 4 || (centered && vpt >= 2))
 }
 
+/// Whether a streaming pass keeps two loads per thread in flight (`rows::stream_accesses`): one
+/// at a time, the streaming tile (one 1024-thread block per SM) had 16 KB of loads in flight per
+/// SM. Sources of two operands per access (`RowSource::WIDE`, the residual families) keep one:
+/// 1024 threads leave them no room.
+pub const fn stream_in_pairs(wide: bool) -> bool {
+    !wide
+}
+
 /// Whether a backward register tile holds γ in shared memory rather than in registers:
 /// LayerNorm's block tiles of two or more accesses per thread. Their rows, dγ and dβ fill the
 /// registers: the widest plain tile needs the room for the next row (it waits on two reductions per

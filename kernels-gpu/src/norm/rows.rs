@@ -8,6 +8,7 @@ use crate::element::{Access, Element, MixedRows, Pack, Wide, load_f32s, row_addr
 use crate::reduce::{RowReducer, Team};
 
 use super::params::{BackwardParams, ForwardParams};
+use super::policy::stream_in_pairs;
 
 /// The row a body normalizes (forward) or differentiates through (backward), one access
 /// (`Access::<T, VEC>::LEN` elements) at a time. `load` only issues loads; `hold` does the
@@ -431,16 +432,10 @@ pub(super) unsafe fn param<T: Element, const VEC: bool>(
     v
 }
 
-/// Whether a streaming pass keeps two loads per thread in flight (see [`stream_accesses`]): one
-/// at a time, the streaming tile (one 1024-thread block per SM) had 16 KB of loads in flight per
-/// SM. Sources of two operands (`RowSource::WIDE`) keep one: 1024 threads leave them no room.
-pub(super) const fn stream_in_pairs(wide: bool) -> bool {
-    !wide
-}
-
 /// Calls `f(a, raw)` for the accesses `a = first, first + step, …` below `accesses` of one
 /// streaming pass, in that order, with each access as loaded by `load`; `pairs` (a constant of
-/// the instance): the loads of two accesses are issued before the first of them is used.
+/// the instance, [`stream_in_pairs`]): the loads of two accesses are issued before the first of
+/// them is used.
 #[inline(always)]
 pub(super) fn stream_accesses<R>(
     pairs: bool,
