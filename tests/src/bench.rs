@@ -68,20 +68,16 @@ fn time_on(
     let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
     let mut device = Vec::with_capacity(reps);
     let mut host = Vec::with_capacity(reps);
-    let module = ctx
-        .load_module(Ptx::from_src(TIMING_KERNELS))
-        .expect("timing kernels");
-    let spin = module.load_function("spin").expect("spin kernel");
+    let spin = behind_spin.then(|| {
+        let module = ctx
+            .load_module(Ptx::from_src(TIMING_KERNELS))
+            .expect("timing kernels");
+        module.load_function("spin").expect("spin kernel")
+    });
     for i in 0..reps {
-        if behind_spin {
+        if let Some(spin) = &spin {
             // SAFETY: the kernel reads its one u64 parameter and the global timer, nothing else.
-            unsafe {
-                stream
-                    .launch_builder(&spin)
-                    .arg(&SPIN_NS)
-                    .launch(ONE_THREAD)
-            }
-            .expect("spin");
+            unsafe { stream.launch_builder(spin).arg(&SPIN_NS).launch(ONE_THREAD) }.expect("spin");
         }
         let start = ctx.new_event(flags).expect("event");
         let end = ctx.new_event(flags).expect("event");
