@@ -290,10 +290,11 @@ pub(super) unsafe fn backward_stream<
                 RowSums::means::<N>(&mut reducer, sums, p.inv_d)
             });
             let dx_row = row_addr::<T>(p.dx, row, p.dx_stride);
+            let has_extra = src.has_extra();
             let mut a = tid;
             while a < accesses {
                 let x = src.hold(&unsafe { src.load(&src_row, a * len) });
-                let extra = if src.has_extra() {
+                let extra = if has_extra {
                     unsafe { src.load_extra(&src_row, a * len, 0) }
                 } else {
                     S::Extra::default()
@@ -318,11 +319,7 @@ pub(super) unsafe fn backward_stream<
                 for i in 0..len {
                     let dy_i = T::get(&dy, i);
                     let (v, x_hat) = dx_of.dx(S::get(&x, i), dy_i * g[i]);
-                    dx[i] = if src.has_extra() {
-                        src.dx(&extra, i, v)
-                    } else {
-                        v
-                    };
+                    dx[i] = if has_extra { src.dx(&extra, i, v) } else { v };
                     dgamma[i] = arch::fma(dy_i, x_hat, dgamma[i]);
                     dbeta[i] += dy_i;
                 }
