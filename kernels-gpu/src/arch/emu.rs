@@ -153,6 +153,8 @@ struct Block {
     shared: Vec<AtomicU32>,
     /// The mbarriers in `shared`, by word: kept beside the words, which they make unusable.
     mbarriers: RefCell<BTreeMap<usize, Mbarrier>>,
+    /// Each thread's asynchronous copies in flight, by thread.
+    async_copies: RefCell<BTreeMap<usize, AsyncCopies>>,
 }
 
 /// An emulated mbarrier: a phase completes when every expected arrival has arrived and the bytes
@@ -440,7 +442,10 @@ impl SharedF32 {
 }
 
 impl SharedF32 {
-    /// Copies at once (the emulator has no asynchronous copies).
+    /// Reads the 16 bytes now and keeps them with the thread's copies in flight: they land in
+    /// shared memory only when the thread waits for them ([`wait_async_copies`],
+    /// [`wait_async_groups`]), so a body that reads its words before waiting reads what was
+    /// there before, as it may on the GPU.
     ///
     /// # Safety
     /// `src` has 16 readable bytes.
@@ -450,12 +455,64 @@ impl SharedF32 {
             "16-byte asynchronous copy from {src:#x} to word {i}: not 16-byte aligned"
         );
         let v: [u32; 4] = core::array::from_fn(|w| unsafe { (src as *const u32).add(w).read() });
-        unsafe { self.store4(i, v.map(f32::from_bits)) };
+        with_ctx(|c| {
+            let mut copies = c.block().async_copies.borrow_mut();
+            copies.entry(c.tid).or_default().open.push((i, v));
+        })
     }
 }
 
-/// Nothing to wait for: [`SharedF32::copy16_async_from`] copies at once.
-pub fn wait_async_copies() {}
+/// One thread's asynchronous copies in flight: those not yet committed, and the committed
+/// groups, oldest first.
+#[derive(Default)]
+struct AsyncCopies {
+    open: Vec<(usize, [u32; 4])>,
+    groups: std::collections::VecDeque<Vec<(usize, [u32; 4])>>,
+}
+
+/// Lands this thread's copies: every group but the newest `pending` committed ones, and the
+/// uncommitted copies too when `all`.
+fn land_async_copies(pending: usize, all: bool) {
+    with_ctx(|c| {
+        let block = c.block();
+        let mut copies = block.async_copies.borrow_mut();
+        let Some(mine) = copies.get_mut(&c.tid) else {
+            return;
+        };
+        let mut landing = Vec::new();
+        while mine.groups.len() > pending {
+            landing.extend(mine.groups.pop_front().into_iter().flatten());
+        }
+        if all {
+            landing.append(&mut mine.open);
+        }
+        for (i, v) in landing {
+            for (w, word) in v.into_iter().enumerate() {
+                shared_word(block, i + w, "asynchronous copy").store(word, Ordering::SeqCst);
+            }
+        }
+    })
+}
+
+/// Lands every copy this thread started (`cp.async.wait_all`).
+pub fn wait_async_copies() {
+    land_async_copies(0, true);
+}
+
+/// Closes the copies started since the last commit into one group.
+pub fn commit_async_copies() {
+    with_ctx(|c| {
+        let mut copies = c.block().async_copies.borrow_mut();
+        let mine = copies.entry(c.tid).or_default();
+        let group = std::mem::take(&mut mine.open);
+        mine.groups.push_back(group);
+    })
+}
+
+/// Lands all but the newest `PENDING` committed groups.
+pub fn wait_async_groups<const PENDING: usize>() {
+    land_async_copies(PENDING, false);
+}
 
 /// Word `i` of a block's shared memory, or a panic naming the access.
 fn shared_word<'a>(block: &'a Block, i: usize, what: &str) -> &'a AtomicU32 {
@@ -686,6 +743,7 @@ pub fn launch(
                     .map(|_| AtomicU32::new(0x7fc0_dead))
                     .collect(),
                 mbarriers: RefCell::new(BTreeMap::new()),
+                async_copies: RefCell::new(BTreeMap::new()),
             })
             .collect();
         Rc::new(Cluster {

@@ -2,7 +2,9 @@
 
 use super::Normalization;
 use super::params::ForwardParams;
-use super::policy::{STREAM, forward_prefetches, stream_in_pairs};
+use super::policy::{
+    FORWARD_STAGES, STREAM, forward_prefetches, forward_staged, forward_words, stream_in_pairs,
+};
 use super::rows::{
     AddResidual, Plain, RowSource, param, row_stats_regs, row_stats_stream, stream_accesses,
 };
@@ -115,15 +117,61 @@ pub(super) unsafe fn forward_regs<
     };
     let rows = p.rows as usize;
     let mut row = first;
+    let staged = forward_staged(VEC, S::WIDE, VPT);
     // A segment team's accesses are few: it always has the registers for the next row.
-    let prefetch = forward_prefetches(N::CENTERED, S::WIDE, VPT) || (team.lanes != 0 && !S::WIDE);
+    let prefetch = !staged
+        && (forward_prefetches(N::CENTERED, S::WIDE, VPT) || (team.lanes != 0 && !S::WIDE));
     let mut next = if prefetch && row < rows {
         load_row(row)
     } else {
         [S::Raw::default(); VPT]
     };
+    // The staged ring: this thread's slot for access k of stage s, consecutive threads in
+    // consecutive 16 bytes (no bank conflicts). Each thread reads only what it copied itself, so
+    // no barrier guards a stage: waiting for its own copies is enough.
+    let ring = forward_words(VEC, VPT, S::WIDE, team.lanes, arch::block_dim()).0;
+    let slot = |stage: usize, k: usize| {
+        ring + 4 * ((stage * VPT + k) * arch::block_dim() + arch::thread_idx())
+    };
+    let stage_row = |row: usize, stage: usize| {
+        if row < rows {
+            let src_row = src.row(row);
+            for k in 0..VPT {
+                if elem(k) < d {
+                    unsafe { src.stage(&src_row, elem(k), slot(stage, k)) };
+                }
+            }
+        }
+        arch::commit_async_copies();
+    };
+    // The team's rows `ahead` and on are not staged yet; one group of copies per row.
+    let mut ahead = first;
+    if staged {
+        for stage in 0..FORWARD_STAGES - 1 {
+            stage_row(ahead, stage);
+            ahead += stride;
+        }
+    }
+    let mut i = 0;
     while row < rows {
-        let raw = if prefetch { next } else { load_row(row) };
+        let raw = if staged {
+            // This row's group has landed once at most the later rows' are in flight.
+            arch::wait_async_groups::<{ FORWARD_STAGES - 2 }>();
+            let mut raw = [S::Raw::default(); VPT];
+            for (k, rk) in raw.iter_mut().enumerate() {
+                if elem(k) < d {
+                    *rk = unsafe { src.take_staged(slot(i % FORWARD_STAGES, k)) };
+                }
+            }
+            // The stage of the previous row, which this thread has read and used.
+            stage_row(ahead, (i + FORWARD_STAGES - 1) % FORWARD_STAGES);
+            ahead += stride;
+            raw
+        } else if prefetch {
+            next
+        } else {
+            load_row(row)
+        };
         if prefetch && row + stride < rows {
             next = load_row(row + stride);
         }
@@ -155,6 +203,7 @@ pub(super) unsafe fn forward_regs<
             }
         }
         row += stride;
+        i += 1;
     }
 }
 

@@ -52,7 +52,7 @@ mod staged;
 mod tile;
 
 pub use params::{BackwardParams, ForwardParams};
-pub use policy::{STREAM, forward_prefetches};
+pub use policy::{FORWARD_STAGES, STREAM, forward_prefetches, forward_rows_ahead};
 pub use staged::STAGES;
 
 use crate::kernel::Dtype;
@@ -241,7 +241,7 @@ macro_rules! norm_kernels {
             lanes: $lanes,
         };
         $crate::kernel::kernel!(table $entry, KEY, $arch,
-            $shared::<$norm, $vpt, $res, $cluster, $lanes>,
+            $shared::<$norm, $vec, $vpt, $res, $cluster, $lanes>,
             $large(KEY),
             $registers(KEY),
             $body::<$crate::element::$t, $vec, $vpt, $norm, $res, $cluster, $lanes>)

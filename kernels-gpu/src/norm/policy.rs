@@ -22,6 +22,45 @@ pub const fn forward_prefetches(centered: bool, residual: bool, vpt: usize) -> b
     !residual && (vpt >= 4 || (centered && vpt >= 2))
 }
 
+/// Rows a thread of a staged forward ([`forward_staged`]) has in its shared-memory ring: the one
+/// it works on and `FORWARD_STAGES − 1` being copied.
+pub const FORWARD_STAGES: usize = 4;
+
+/// Whether a forward register tile or segment team stages its rows through shared memory: each
+/// thread copies its own accesses of the rows `FORWARD_STAGES − 1` ahead into its own slots with
+/// `cp.async`, which holds no registers on the way, so a block keeps three rows loading while it
+/// reduces one (the register prefetch held one, at the cost of a resident block). Packed plain
+/// rows only: an access is one 16-byte pack of x. The residual families read two operands (one
+/// of them f32 or not at run time) and keep registers.
+pub const fn forward_staged(vec: bool, residual: bool, vpt: usize) -> bool {
+    vec && !residual && vpt != STREAM
+}
+
+/// Whether a forward tile keeps later rows in flight while it works on one, staged or prefetched
+/// (the launch plan prefers such tiles for blocks that fill an SM alone).
+pub const fn forward_rows_ahead(vec: bool, centered: bool, residual: bool, vpt: usize) -> bool {
+    forward_staged(vec, residual, vpt) || forward_prefetches(centered, residual, vpt)
+}
+
+/// The first word of a forward block's ring ([`forward_staged`]) and the end of its dynamic
+/// shared memory: the reducer's words (segment teams sum by shuffles alone: none), then
+/// `FORWARD_STAGES` stages of one 16-byte slot per access and thread.
+pub const fn forward_words(
+    vec: bool,
+    vpt: usize,
+    residual: bool,
+    lanes: usize,
+    threads: usize,
+) -> (usize, usize) {
+    let end = if lanes != 0 { 0 } else { ROW_REDUCER_SHARED_WORDS };
+    if forward_staged(vec, residual, vpt) {
+        let ring = end.next_multiple_of(4);
+        (ring, ring + FORWARD_STAGES * vpt * threads * 4)
+    } else {
+        (end, end)
+    }
+}
+
 /// Whether a streaming pass keeps two loads per thread in flight (`rows::stream_accesses`): one
 /// at a time, the streaming tile (one 1024-thread block per SM) had 16 KB of loads in flight per
 /// SM. Sources of two operands per access (`RowSource::WIDE`, the residual families) keep one:
@@ -67,22 +106,18 @@ pub(super) const fn gamma_end(centered: bool, vpt: usize, lanes: usize, threads:
     }
 }
 
-/// Dynamic shared memory of a forward block: the reducer's words (segment teams sum by shuffles
-/// alone: none).
+/// Dynamic shared memory of a forward block of `threads` threads ([`forward_words`]).
 pub fn forward_shared_bytes<
     N: Normalization,
+    const VEC: bool,
     const VPT: usize,
     const RESIDUAL: bool,
     const CLUSTER: bool,
     const LANES: usize,
 >(
-    _threads: usize,
+    threads: usize,
 ) -> usize {
-    if LANES != 0 {
-        0
-    } else {
-        ROW_REDUCER_SHARED_WORDS * 4
-    }
+    forward_words(VEC, VPT, RESIDUAL, LANES, threads).1 * 4
 }
 
 /// The words of a backward block of `threads` threads: where the dresidual slots start (see
@@ -119,6 +154,7 @@ pub(super) const fn backward_words(
 /// and the dresidual slots where [`plain_adds_dresidual`].
 pub fn backward_shared_bytes<
     N: Normalization,
+    const VEC: bool,
     const VPT: usize,
     const RESIDUAL: bool,
     const CLUSTER: bool,
@@ -129,9 +165,10 @@ pub fn backward_shared_bytes<
     backward_words(N::CENTERED, VPT, RESIDUAL, CLUSTER, LANES, threads).1 * 4
 }
 
-/// Whether a forward block may need more than the default 48 KiB of shared memory: never.
-pub const fn forward_large_shared(_key: NormKey) -> bool {
-    false
+/// Whether a forward block may need more than the default 48 KiB of shared memory: the staged
+/// ones, whose ring grows with the block.
+pub const fn forward_large_shared(key: NormKey) -> bool {
+    forward_staged(key.vec, key.residual, key.vpt)
 }
 
 /// Whether a backward block may need more than the default 48 KiB of shared memory: the
