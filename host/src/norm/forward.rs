@@ -1,6 +1,6 @@
 //! The norm forward: its arguments, validation and launch plan.
 
-use normkern_gpu::norm::{FORWARD, ForwardParams, Norm, NormKey, forward_rows_ahead};
+use normkern_gpu::norm::{FORWARD, ForwardParams, Norm, NormKey, forward_prefetches};
 
 use super::{RowLaunch, check_config, inv, params_f32, stored_f32, stride_in_elems};
 use crate::error::{Error, Result};
@@ -292,7 +292,7 @@ pub(crate) fn plan(
         params,
     }
     .plan(device, |vpt| {
-        forward_rows_ahead(key.vec, centered, key.residual, vpt)
+        forward_prefetches(centered, key.residual, vpt)
     })?;
     Ok(Some(launch))
 }

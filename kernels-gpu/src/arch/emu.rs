@@ -153,8 +153,8 @@ struct Block {
     shared: Vec<AtomicU32>,
     /// The mbarriers in `shared`, by word: kept beside the words, which they make unusable.
     mbarriers: RefCell<BTreeMap<usize, Mbarrier>>,
-    /// Each thread's asynchronous copies in flight, by thread.
-    async_copies: RefCell<BTreeMap<usize, AsyncCopies>>,
+    /// Each thread's asynchronous copies in flight (word, bytes), by thread.
+    async_copies: RefCell<BTreeMap<usize, Vec<(usize, [u32; 4])>>>,
 }
 
 /// An emulated mbarrier: a phase completes when every expected arrival has arrived and the bytes
@@ -443,9 +443,8 @@ impl SharedF32 {
 
 impl SharedF32 {
     /// Reads the 16 bytes now and keeps them with the thread's copies in flight: they land in
-    /// shared memory only when the thread waits for them ([`wait_async_copies`],
-    /// [`wait_async_groups`]), so a body that reads its words before waiting reads what was
-    /// there before, as it may on the GPU.
+    /// shared memory only when the thread waits for them ([`wait_async_copies`]), so a body that
+    /// reads its words before waiting reads what was there before, as it may on the GPU.
     ///
     /// # Safety
     /// `src` has 16 readable bytes.
@@ -457,61 +456,22 @@ impl SharedF32 {
         let v: [u32; 4] = core::array::from_fn(|w| unsafe { (src as *const u32).add(w).read() });
         with_ctx(|c| {
             let mut copies = c.block().async_copies.borrow_mut();
-            copies.entry(c.tid).or_default().open.push((i, v));
+            copies.entry(c.tid).or_default().push((i, v));
         })
     }
 }
 
-/// One thread's asynchronous copies in flight: those not yet committed, and the committed
-/// groups, oldest first.
-#[derive(Default)]
-struct AsyncCopies {
-    open: Vec<(usize, [u32; 4])>,
-    groups: std::collections::VecDeque<Vec<(usize, [u32; 4])>>,
-}
-
-/// Lands this thread's copies: every group but the newest `pending` committed ones, and the
-/// uncommitted copies too when `all`.
-fn land_async_copies(pending: usize, all: bool) {
+/// Lands every copy this thread started (`cp.async.wait_all`).
+pub fn wait_async_copies() {
     with_ctx(|c| {
         let block = c.block();
-        let mut copies = block.async_copies.borrow_mut();
-        let Some(mine) = copies.get_mut(&c.tid) else {
-            return;
-        };
-        let mut landing = Vec::new();
-        while mine.groups.len() > pending {
-            landing.extend(mine.groups.pop_front().into_iter().flatten());
-        }
-        if all {
-            landing.append(&mut mine.open);
-        }
-        for (i, v) in landing {
+        let landing = block.async_copies.borrow_mut().remove(&c.tid);
+        for (i, v) in landing.into_iter().flatten() {
             for (w, word) in v.into_iter().enumerate() {
                 shared_word(block, i + w, "asynchronous copy").store(word, Ordering::SeqCst);
             }
         }
     })
-}
-
-/// Lands every copy this thread started (`cp.async.wait_all`).
-pub fn wait_async_copies() {
-    land_async_copies(0, true);
-}
-
-/// Closes the copies started since the last commit into one group.
-pub fn commit_async_copies() {
-    with_ctx(|c| {
-        let mut copies = c.block().async_copies.borrow_mut();
-        let mine = copies.entry(c.tid).or_default();
-        let group = std::mem::take(&mut mine.open);
-        mine.groups.push_back(group);
-    })
-}
-
-/// Lands all but the newest `PENDING` committed groups.
-pub fn wait_async_groups<const PENDING: usize>() {
-    land_async_copies(PENDING, false);
 }
 
 /// Word `i` of a block's shared memory, or a panic naming the access.

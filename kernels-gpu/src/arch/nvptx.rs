@@ -415,23 +415,6 @@ pub fn wait_async_copies() {
     unsafe { asm!("cp.async.wait_all;", options(nostack, preserves_flags)) }
 }
 
-/// Closes this thread's [`SharedF32::copy16_async_from`] copies started since its last commit
-/// into one group (`cp.async.commit_group`; none started: an empty group), for
-/// [`wait_async_groups`].
-#[inline(always)]
-pub fn commit_async_copies() {
-    unsafe { asm!("cp.async.commit_group;", options(nostack, preserves_flags)) }
-}
-
-/// Waits until at most `PENDING` of this thread's committed groups are still copying
-/// (`cp.async.wait_group`): the older ones have landed.
-#[inline(always)]
-pub fn wait_async_groups<const PENDING: usize>() {
-    unsafe {
-        asm!("cp.async.wait_group {n};", n = const PENDING, options(nostack, preserves_flags))
-    }
-}
-
 /// Makes this thread's `mbarrier_init`s visible to the other blocks of the cluster, for their
 /// asynchronous stores (`fence.mbarrier_init.release.cluster`); a cluster barrier must follow.
 #[inline(always)]

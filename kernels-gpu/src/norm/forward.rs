@@ -3,7 +3,7 @@
 use super::Normalization;
 use super::params::ForwardParams;
 use super::policy::{
-    FORWARD_STAGES, STREAM, forward_prefetches, forward_staged, forward_words, stream_in_pairs,
+    STREAM, forward_params_in_shared, forward_prefetches, forward_words, stream_in_pairs,
 };
 use super::rows::{
     AddResidual, Plain, RowSource, param, row_stats_regs, row_stats_stream, stream_accesses,
@@ -102,8 +102,59 @@ pub(super) unsafe fn forward_regs<
     } = team;
     let d = p.d as usize;
     let elem = |k: usize| (tid + k * threads) * len;
-    // γ and β are re-read for every row (from L1: every block of the SM reads the same few KB)
-    // rather than held: as f32 they would take 16 registers per pack each, a resident block.
+    // γ and β are re-read for every row rather than held (as f32 they would take 8 registers per
+    // pack each, a resident block): block tiles from this thread's own shared slots, written once
+    // here (no barrier: no other thread reads them), segment teams from L1.
+    let read_params = |k: usize| {
+        let gamma = unsafe { param::<T, VEC>(p.gamma, elem(k), p.params_f32, p.gamma_offset) };
+        let beta = if N::CENTERED && p.beta != 0 {
+            unsafe { param::<T, VEC>(p.beta, elem(k), p.params_f32, 0.0) }
+        } else {
+            [0.0; 8]
+        };
+        (gamma, beta)
+    };
+    let in_shared = forward_params_in_shared(VEC, VPT, team.lanes);
+    let slots = forward_words(N::CENTERED, VEC, VPT, team.lanes, arch::block_dim()).0;
+    let halves = len.div_ceil(4);
+    let slot = |which: usize, k: usize, half: usize| {
+        slots + 4 * (((which * VPT + k) * 2 + half) * arch::block_dim() + arch::thread_idx())
+    };
+    // γ's slots, and β's where there is a β (LayerNorm's are allocated either way).
+    let has_beta = N::CENTERED && p.beta != 0;
+    let shared = arch::shared_f32();
+    let keep = |which: usize, k: usize, v: &[f32; 8]| {
+        for half in 0..halves {
+            let quad = [v[4 * half], v[4 * half + 1], v[4 * half + 2], v[4 * half + 3]];
+            unsafe { shared.store4(slot(which, k, half), quad) };
+        }
+    };
+    let kept = |which: usize, k: usize| {
+        let mut v = [0.0f32; 8];
+        for half in 0..halves {
+            let quad = unsafe { shared.load4(slot(which, k, half)) };
+            v[4 * half..4 * half + 4].copy_from_slice(&quad);
+        }
+        v
+    };
+    if in_shared {
+        for k in 0..VPT {
+            if elem(k) < d {
+                let (gamma, beta) = read_params(k);
+                keep(0, k, &gamma);
+                if has_beta {
+                    keep(1, k, &beta);
+                }
+            }
+        }
+    }
+    let params = |k: usize| {
+        if !in_shared {
+            return read_params(k);
+        }
+        let beta = if has_beta { kept(1, k) } else { [0.0; 8] };
+        (kept(0, k), beta)
+    };
     // As in the backward, the next row's loads can be issued before this row's reduction and stores.
     let load_row = |row: usize| {
         let src_row = src.row(row);
@@ -117,61 +168,15 @@ pub(super) unsafe fn forward_regs<
     };
     let rows = p.rows as usize;
     let mut row = first;
-    let staged = forward_staged(VEC, S::WIDE, VPT);
     // A segment team's accesses are few: it always has the registers for the next row.
-    let prefetch = !staged
-        && (forward_prefetches(N::CENTERED, S::WIDE, VPT) || (team.lanes != 0 && !S::WIDE));
+    let prefetch = forward_prefetches(N::CENTERED, S::WIDE, VPT) || (team.lanes != 0 && !S::WIDE);
     let mut next = if prefetch && row < rows {
         load_row(row)
     } else {
         [S::Raw::default(); VPT]
     };
-    // The staged ring: this thread's slot for access k of stage s, consecutive threads in
-    // consecutive 16 bytes (no bank conflicts). Each thread reads only what it copied itself, so
-    // no barrier guards a stage: waiting for its own copies is enough.
-    let ring = forward_words(VEC, VPT, S::WIDE, team.lanes, arch::block_dim()).0;
-    let slot = |stage: usize, k: usize| {
-        ring + 4 * ((stage * VPT + k) * arch::block_dim() + arch::thread_idx())
-    };
-    let stage_row = |row: usize, stage: usize| {
-        if row < rows {
-            let src_row = src.row(row);
-            for k in 0..VPT {
-                if elem(k) < d {
-                    unsafe { src.stage(&src_row, elem(k), slot(stage, k)) };
-                }
-            }
-        }
-        arch::commit_async_copies();
-    };
-    // The team's rows `ahead` and on are not staged yet; one group of copies per row.
-    let mut ahead = first;
-    if staged {
-        for stage in 0..FORWARD_STAGES - 1 {
-            stage_row(ahead, stage);
-            ahead += stride;
-        }
-    }
-    let mut i = 0;
     while row < rows {
-        let raw = if staged {
-            // This row's group has landed once at most the later rows' are in flight.
-            arch::wait_async_groups::<{ FORWARD_STAGES - 2 }>();
-            let mut raw = [S::Raw::default(); VPT];
-            for (k, rk) in raw.iter_mut().enumerate() {
-                if elem(k) < d {
-                    *rk = unsafe { src.take_staged(slot(i % FORWARD_STAGES, k)) };
-                }
-            }
-            // The stage of the previous row, which this thread has read and used.
-            stage_row(ahead, (i + FORWARD_STAGES - 1) % FORWARD_STAGES);
-            ahead += stride;
-            raw
-        } else if prefetch {
-            next
-        } else {
-            load_row(row)
-        };
+        let raw = if prefetch { next } else { load_row(row) };
         if prefetch && row + stride < rows {
             next = load_row(row + stride);
         }
@@ -188,13 +193,7 @@ pub(super) unsafe fn forward_regs<
         for k in 0..VPT {
             if elem(k) < d {
                 unsafe { src.emit(&src_row, elem(k), &x[k]) };
-                let gamma =
-                    unsafe { param::<T, VEC>(p.gamma, elem(k), p.params_f32, p.gamma_offset) };
-                let beta = if N::CENTERED && p.beta != 0 {
-                    unsafe { param::<T, VEC>(p.beta, elem(k), p.params_f32, 0.0) }
-                } else {
-                    [0.0; 8]
-                };
+                let (gamma, beta) = params(k);
                 let mut y = [0.0f32; 8];
                 for i in 0..len {
                     y[i] = normalize::<N>(S::get(&x[k], i), mean, rstd, gamma[i], beta[i]);
@@ -203,7 +202,6 @@ pub(super) unsafe fn forward_regs<
             }
         }
         row += stride;
-        i += 1;
     }
 }
 

@@ -52,7 +52,7 @@ mod staged;
 mod tile;
 
 pub use params::{BackwardParams, ForwardParams};
-pub use policy::{FORWARD_STAGES, STREAM, forward_prefetches, forward_rows_ahead};
+pub use policy::{STREAM, forward_prefetches};
 pub use staged::STAGES;
 
 use crate::kernel::Dtype;

@@ -22,40 +22,31 @@ pub const fn forward_prefetches(centered: bool, residual: bool, vpt: usize) -> b
     !residual && (vpt >= 4 || (centered && vpt >= 2))
 }
 
-/// Rows a thread of a staged forward ([`forward_staged`]) has in its shared-memory ring: the one
-/// it works on and `FORWARD_STAGES − 1` being copied.
-pub const FORWARD_STAGES: usize = 4;
-
-/// Whether a forward register tile or segment team stages its rows through shared memory: each
-/// thread copies its own accesses of the rows `FORWARD_STAGES − 1` ahead into its own slots with
-/// `cp.async`, which holds no registers on the way, so a block keeps three rows loading while it
-/// reduces one (the register prefetch held one, at the cost of a resident block). Packed plain
-/// rows only: an access is one 16-byte pack of x. The residual families read two operands (one
-/// of them f32 or not at run time) and keep registers.
-pub const fn forward_staged(vec: bool, residual: bool, vpt: usize) -> bool {
-    vec && !residual && vpt != STREAM
+/// Whether a forward register tile keeps γ and β in shared memory: the packed block and cluster
+/// tiles. Each thread copies its own accesses of them into its own slots once and reads them
+/// back for every row. Re-read from global memory instead, they missed L1 about half the time
+/// behind the streaming rows and their refills loaded L2 more than DRAM. Segment teams' rows are
+/// short: their γ stays in L1.
+pub const fn forward_params_in_shared(vec: bool, vpt: usize, lanes: usize) -> bool {
+    vec && vpt != STREAM && lanes == 0
 }
 
-/// Whether a forward tile keeps later rows in flight while it works on one, staged or prefetched
-/// (the launch plan prefers such tiles for blocks that fill an SM alone).
-pub const fn forward_rows_ahead(vec: bool, centered: bool, residual: bool, vpt: usize) -> bool {
-    forward_staged(vec, residual, vpt) || forward_prefetches(centered, residual, vpt)
-}
-
-/// The first word of a forward block's ring ([`forward_staged`]) and the end of its dynamic
-/// shared memory: the reducer's words (segment teams sum by shuffles alone: none), then
-/// `FORWARD_STAGES` stages of one 16-byte slot per access and thread.
+/// The first word of a forward block's γ and β slots ([`forward_params_in_shared`]) and the end
+/// of its dynamic shared memory: the reducer's words (segment teams sum by shuffles alone: none),
+/// then γ's slots and LayerNorm's β's: per access and thread, 8 f32 in two 16-byte halves, each
+/// half of a block's threads consecutive (no bank conflicts).
 pub const fn forward_words(
+    centered: bool,
     vec: bool,
     vpt: usize,
-    residual: bool,
     lanes: usize,
     threads: usize,
 ) -> (usize, usize) {
     let end = if lanes != 0 { 0 } else { ROW_REDUCER_SHARED_WORDS };
-    if forward_staged(vec, residual, vpt) {
-        let ring = end.next_multiple_of(4);
-        (ring, ring + FORWARD_STAGES * vpt * threads * 4)
+    if forward_params_in_shared(vec, vpt, lanes) {
+        let slots = end.next_multiple_of(4);
+        let params = 1 + centered as usize;
+        (slots, slots + params * vpt * threads * 8)
     } else {
         (end, end)
     }
@@ -117,7 +108,7 @@ pub fn forward_shared_bytes<
 >(
     threads: usize,
 ) -> usize {
-    forward_words(VEC, VPT, RESIDUAL, LANES, threads).1 * 4
+    forward_words(N::CENTERED, VEC, VPT, LANES, threads).1 * 4
 }
 
 /// The words of a backward block of `threads` threads: where the dresidual slots start (see
@@ -165,10 +156,10 @@ pub fn backward_shared_bytes<
     backward_words(N::CENTERED, VPT, RESIDUAL, CLUSTER, LANES, threads).1 * 4
 }
 
-/// Whether a forward block may need more than the default 48 KiB of shared memory: the staged
-/// ones, whose ring grows with the block.
+/// Whether a forward block may need more than the default 48 KiB of shared memory: those with
+/// γ and β in it ([`forward_params_in_shared`]), whose slots grow with the block.
 pub const fn forward_large_shared(key: NormKey) -> bool {
-    forward_staged(key.vec, key.residual, key.vpt)
+    forward_params_in_shared(key.vec, key.vpt, key.lanes)
 }
 
 /// Whether a backward block may need more than the default 48 KiB of shared memory: the
@@ -202,14 +193,14 @@ const fn layer_norm_block_tile(key: NormKey, residual: bool) -> bool {
 /// prefetches the next row and takes 72 registers for sm_90; 64 keep four 256-thread blocks
 /// resident without spills (56 spill). The residual tiles hold the row as f32 (the stream may be
 /// f32): ptxas's own choice gave the 2-pack tile 93 (two blocks) and the 4-pack 168 (one block of
-/// 256 threads, none of 512); 80 (ptxas then takes 64) and 128 keep four and two without spills.
+/// 256 threads, none of 512); 64 and 128 keep four and two without spills.
 /// Their cluster instances spill at 128 and keep ptxas's choice.
 pub const fn forward_register_budget(key: NormKey) -> u32 {
     if layer_norm_two_packs(key) {
         64
     } else if layer_norm_block_tile(key, true) {
         match key.vpt {
-            2 => 80,
+            2 => 64,
             4 => 128,
             _ => 0,
         }

@@ -34,22 +34,6 @@ pub(super) trait RowSource<T: Element, const VEC: bool>: Copy {
     fn hold(&self, raw: &Self::Raw) -> Self::Held;
     /// Element `i` of the row, in f32.
     fn get(held: &Self::Held, i: usize) -> f32;
-    /// Forward of a staged instance ([`super::policy::forward_stages`]): starts copying the
-    /// access at `elem` into this thread's shared words from `word`, for [`Self::take_staged`].
-    /// Only sources whose access is one pack of x are staged; the others never are.
-    ///
-    /// # Safety
-    /// As for [`Self::load`]; the words are this thread's alone.
-    #[inline(always)]
-    unsafe fn stage(&self, _row: &Self::Row, _elem: usize, _word: usize) {}
-    /// The access [`Self::stage`] copied to `word`, once this thread has waited for it.
-    ///
-    /// # Safety
-    /// The words lie inside the launch's shared memory.
-    #[inline(always)]
-    unsafe fn take_staged(&self, _word: usize) -> Self::Raw {
-        Self::Raw::default()
-    }
     /// Forward: writes what is kept besides y (the residual sum).
     ///
     /// # Safety
@@ -168,15 +152,6 @@ impl<T: Element, const VEC: bool> RowSource<T, VEC> for Plain {
     #[inline(always)]
     fn get(held: &Pack, i: usize) -> f32 {
         T::get(held, i)
-    }
-    #[inline(always)]
-    unsafe fn stage(&self, row: &(u64, u64), elem: usize, word: usize) {
-        let src = row.0 + (elem * T::BYTES) as u64;
-        unsafe { arch::shared_f32().copy16_async_from(word, src) };
-    }
-    #[inline(always)]
-    unsafe fn take_staged(&self, word: usize) -> Pack {
-        unsafe { arch::shared_f32().load4(word) }.map(f32::to_bits)
     }
     /// Packed accesses copy dresidual into the thread's slot while the row is reduced: its
     /// latency is hidden without registers held across the reductions.
