@@ -2,9 +2,7 @@
 
 use super::Normalization;
 use super::params::ForwardParams;
-use super::policy::{
-    STREAM, forward_params_in_shared, forward_prefetches, forward_words, stream_in_pairs,
-};
+use super::policy::{STREAM, forward_prefetches, stream_in_pairs};
 use super::rows::{
     AddResidual, Plain, RowSource, param, row_stats_regs, row_stats_stream, stream_accesses,
 };
@@ -102,59 +100,8 @@ pub(super) unsafe fn forward_regs<
     } = team;
     let d = p.d as usize;
     let elem = |k: usize| (tid + k * threads) * len;
-    // γ and β are re-read for every row rather than held (as f32 they would take 8 registers per
-    // pack each, a resident block): block tiles from this thread's own shared slots, written once
-    // here (no barrier: no other thread reads them), segment teams from L1.
-    let read_params = |k: usize| {
-        let gamma = unsafe { param::<T, VEC>(p.gamma, elem(k), p.params_f32, p.gamma_offset) };
-        let beta = if N::CENTERED && p.beta != 0 {
-            unsafe { param::<T, VEC>(p.beta, elem(k), p.params_f32, 0.0) }
-        } else {
-            [0.0; 8]
-        };
-        (gamma, beta)
-    };
-    let in_shared = forward_params_in_shared(VEC, VPT, team.lanes);
-    let slots = forward_words(N::CENTERED, VEC, VPT, team.lanes, arch::block_dim()).0;
-    let halves = len.div_ceil(4);
-    let slot = |which: usize, k: usize, half: usize| {
-        slots + 4 * (((which * VPT + k) * 2 + half) * arch::block_dim() + arch::thread_idx())
-    };
-    // γ's slots, and β's where there is a β (LayerNorm's are allocated either way).
-    let has_beta = N::CENTERED && p.beta != 0;
-    let shared = arch::shared_f32();
-    let keep = |which: usize, k: usize, v: &[f32; 8]| {
-        for half in 0..halves {
-            let quad = [v[4 * half], v[4 * half + 1], v[4 * half + 2], v[4 * half + 3]];
-            unsafe { shared.store4(slot(which, k, half), quad) };
-        }
-    };
-    let kept = |which: usize, k: usize| {
-        let mut v = [0.0f32; 8];
-        for half in 0..halves {
-            let quad = unsafe { shared.load4(slot(which, k, half)) };
-            v[4 * half..4 * half + 4].copy_from_slice(&quad);
-        }
-        v
-    };
-    if in_shared {
-        for k in 0..VPT {
-            if elem(k) < d {
-                let (gamma, beta) = read_params(k);
-                keep(0, k, &gamma);
-                if has_beta {
-                    keep(1, k, &beta);
-                }
-            }
-        }
-    }
-    let params = |k: usize| {
-        if !in_shared {
-            return read_params(k);
-        }
-        let beta = if has_beta { kept(1, k) } else { [0.0; 8] };
-        (kept(0, k), beta)
-    };
+    // γ and β are re-read for every row (from L1: every block of the SM reads the same few KB)
+    // rather than held: as f32 they would take 16 registers per pack each, a resident block.
     // As in the backward, the next row's loads can be issued before this row's reduction and stores.
     let load_row = |row: usize| {
         let src_row = src.row(row);
@@ -193,7 +140,13 @@ pub(super) unsafe fn forward_regs<
         for k in 0..VPT {
             if elem(k) < d {
                 unsafe { src.emit(&src_row, elem(k), &x[k]) };
-                let (gamma, beta) = params(k);
+                let gamma =
+                    unsafe { param::<T, VEC>(p.gamma, elem(k), p.params_f32, p.gamma_offset) };
+                let beta = if N::CENTERED && p.beta != 0 {
+                    unsafe { param::<T, VEC>(p.beta, elem(k), p.params_f32, 0.0) }
+                } else {
+                    [0.0; 8]
+                };
                 let mut y = [0.0f32; 8];
                 for i in 0..len {
                     y[i] = normalize::<N>(S::get(&x[k], i), mean, rstd, gamma[i], beta[i]);

@@ -22,36 +22,6 @@ pub const fn forward_prefetches(centered: bool, residual: bool, vpt: usize) -> b
     !residual && (vpt >= 4 || (centered && vpt >= 2))
 }
 
-/// Whether a forward register tile keeps γ and β in shared memory: the packed block and cluster
-/// tiles. Each thread copies its own accesses of them into its own slots once and reads them
-/// back for every row. Re-read from global memory instead, they missed L1 about half the time
-/// behind the streaming rows and their refills loaded L2 more than DRAM. Segment teams' rows are
-/// short: their γ stays in L1.
-pub const fn forward_params_in_shared(vec: bool, vpt: usize, lanes: usize) -> bool {
-    vec && vpt != STREAM && lanes == 0
-}
-
-/// The first word of a forward block's γ and β slots ([`forward_params_in_shared`]) and the end
-/// of its dynamic shared memory: the reducer's words (segment teams sum by shuffles alone: none),
-/// then γ's slots and LayerNorm's β's: per access and thread, 8 f32 in two 16-byte halves, each
-/// half of a block's threads consecutive (no bank conflicts).
-pub const fn forward_words(
-    centered: bool,
-    vec: bool,
-    vpt: usize,
-    lanes: usize,
-    threads: usize,
-) -> (usize, usize) {
-    let end = if lanes != 0 { 0 } else { ROW_REDUCER_SHARED_WORDS };
-    if forward_params_in_shared(vec, vpt, lanes) {
-        let slots = end.next_multiple_of(4);
-        let params = 1 + centered as usize;
-        (slots, slots + params * vpt * threads * 8)
-    } else {
-        (end, end)
-    }
-}
-
 /// Whether a streaming pass keeps two loads per thread in flight (`rows::stream_accesses`): one
 /// at a time, the streaming tile (one 1024-thread block per SM) had 16 KB of loads in flight per
 /// SM. Sources of two operands per access (`RowSource::WIDE`, the residual families) keep one:
@@ -97,18 +67,22 @@ pub(super) const fn gamma_end(centered: bool, vpt: usize, lanes: usize, threads:
     }
 }
 
-/// Dynamic shared memory of a forward block of `threads` threads ([`forward_words`]).
+/// Dynamic shared memory of a forward block: the reducer's words (segment teams sum by shuffles
+/// alone: none).
 pub fn forward_shared_bytes<
     N: Normalization,
-    const VEC: bool,
     const VPT: usize,
     const RESIDUAL: bool,
     const CLUSTER: bool,
     const LANES: usize,
 >(
-    threads: usize,
+    _threads: usize,
 ) -> usize {
-    forward_words(N::CENTERED, VEC, VPT, LANES, threads).1 * 4
+    if LANES != 0 {
+        0
+    } else {
+        ROW_REDUCER_SHARED_WORDS * 4
+    }
 }
 
 /// The words of a backward block of `threads` threads: where the dresidual slots start (see
@@ -145,7 +119,6 @@ pub(super) const fn backward_words(
 /// and the dresidual slots where [`plain_adds_dresidual`].
 pub fn backward_shared_bytes<
     N: Normalization,
-    const VEC: bool,
     const VPT: usize,
     const RESIDUAL: bool,
     const CLUSTER: bool,
@@ -156,10 +129,9 @@ pub fn backward_shared_bytes<
     backward_words(N::CENTERED, VPT, RESIDUAL, CLUSTER, LANES, threads).1 * 4
 }
 
-/// Whether a forward block may need more than the default 48 KiB of shared memory: those with
-/// γ and β in it ([`forward_params_in_shared`]), whose slots grow with the block.
-pub const fn forward_large_shared(key: NormKey) -> bool {
-    forward_params_in_shared(key.vec, key.vpt, key.lanes)
+/// Whether a forward block may need more than the default 48 KiB of shared memory: never.
+pub const fn forward_large_shared(_key: NormKey) -> bool {
+    false
 }
 
 /// Whether a backward block may need more than the default 48 KiB of shared memory: the
@@ -193,14 +165,14 @@ const fn layer_norm_block_tile(key: NormKey, residual: bool) -> bool {
 /// prefetches the next row and takes 72 registers for sm_90; 64 keep four 256-thread blocks
 /// resident without spills (56 spill). The residual tiles hold the row as f32 (the stream may be
 /// f32): ptxas's own choice gave the 2-pack tile 93 (two blocks) and the 4-pack 168 (one block of
-/// 256 threads, none of 512); 64 and 128 keep four and two without spills.
+/// 256 threads, none of 512); 80 (ptxas then takes 64) and 128 keep four and two without spills.
 /// Their cluster instances spill at 128 and keep ptxas's choice.
 pub const fn forward_register_budget(key: NormKey) -> u32 {
     if layer_norm_two_packs(key) {
         64
     } else if layer_norm_block_tile(key, true) {
         match key.vpt {
-            2 => 64,
+            2 => 80,
             4 => 128,
             _ => 0,
         }
