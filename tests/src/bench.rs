@@ -8,7 +8,10 @@ use normkern::cudarc::driver::{CudaContext, CudaSlice, CudaStream, LaunchConfig,
 use normkern::cudarc::nvrtc::Ptx;
 
 /// Medians of one call's device time (CUDA events around it on the stream) and host time (what
-/// the call itself takes on the CPU: validation, planning and enqueueing), in µs.
+/// the call itself takes on the CPU: validation, planning and enqueueing), in µs. The host time
+/// is taken over calls issued back to back, as a training loop issues them and as
+/// [`launch_floor_us`] times its empty launches, not over the timed calls, each of which follows
+/// an event record and a synchronize.
 #[derive(Clone, Copy, Debug)]
 pub struct Timing {
     pub device_us: f64,
@@ -67,7 +70,6 @@ fn time_on(
     }
     let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
     let mut device = Vec::with_capacity(reps);
-    let mut host = Vec::with_capacity(reps);
     let spin = behind_spin.then(|| {
         let module = ctx
             .load_module(Ptx::from_src(TIMING_KERNELS))
@@ -82,13 +84,18 @@ fn time_on(
         let start = ctx.new_event(flags).expect("event");
         let end = ctx.new_event(flags).expect("event");
         start.record(stream).expect("record");
-        let call = std::time::Instant::now();
         f(warmup + i);
-        host.push(call.elapsed().as_secs_f64() * 1e6);
         end.record(stream).expect("record");
         end.synchronize().expect("sync");
         device.push(start.elapsed_ms(&end).expect("elapsed") as f64 * 1e3);
     }
+    let mut host = Vec::with_capacity(reps);
+    for i in 0..reps {
+        let call = std::time::Instant::now();
+        f(warmup + reps + i);
+        host.push(call.elapsed().as_secs_f64() * 1e6);
+    }
+    stream.synchronize().expect("sync");
     Timing {
         device_us: median(device),
         host_us: median(host),

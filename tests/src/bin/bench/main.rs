@@ -12,7 +12,7 @@
 //! table always times lone calls on an idle stream, launch included); inputs rotate over enough
 //! sets to exceed L2; bytes count the minimal traffic (each input read once, each output written
 //! once). "host µs per call" is the median CPU time of the call itself (validation, launch plan,
-//! enqueueing).
+//! enqueueing) over calls issued back to back, as the launch floor's empty launches are.
 
 mod activation;
 mod norm;
