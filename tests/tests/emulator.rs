@@ -61,6 +61,37 @@ fn shared_memory_out_of_bounds_is_reported() {
     expect_error(r, "shared_overflow", "beyond the launch's 16 words");
 }
 
+/// An asynchronous copy lands in shared memory when its thread waits, not before: a body that
+/// reads the words early sees what was there (as it may on the GPU), and only its own copies land.
+#[test]
+fn asynchronous_copies_land_when_their_thread_waits() {
+    /// 16 bytes, aligned as a copy's source must be.
+    #[repr(C, align(16))]
+    struct Quad([f32; 4]);
+    let source: Vec<Quad> = (0..32).map(|t| Quad([t as f32, 1.0, 2.0, 3.0])).collect();
+    let before = AtomicU32::new(0);
+    let after = AtomicU32::new(0);
+    emu::launch("async_copy", (1, 32, 1), 32 * 16, false, &|| unsafe {
+        let (t, shared) = (arch::thread_idx(), arch::shared_f32());
+        shared.store4(4 * t, [-1.0; 4]);
+        shared.copy16_async_from(4 * t, source[t].0.as_ptr() as u64);
+        if shared.load4(4 * t) == [-1.0; 4] {
+            before.fetch_add(1, SeqCst);
+        }
+        arch::wait_async_copies();
+        if shared.load4(4 * t) == source[t].0 {
+            after.fetch_add(1, SeqCst);
+        }
+    })
+    .unwrap();
+    assert_eq!(
+        before.load(SeqCst),
+        32,
+        "a copy landed before its thread waited"
+    );
+    assert_eq!(after.load(SeqCst), 32, "a copy did not land at the wait");
+}
+
 #[test]
 fn a_panicking_thread_fails_the_launch_with_its_message() {
     let r = emu::launch("panics", (1, 64, 1), 0, false, &|| {

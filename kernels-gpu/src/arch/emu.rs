@@ -153,9 +153,12 @@ struct Block {
     shared: Vec<AtomicU32>,
     /// The mbarriers in `shared`, by word: kept beside the words, which they make unusable.
     mbarriers: RefCell<BTreeMap<usize, Mbarrier>>,
-    /// Each thread's asynchronous copies in flight (word, bytes), by thread.
-    async_copies: RefCell<BTreeMap<usize, Vec<(usize, [u32; 4])>>>,
+    /// Each thread's asynchronous copies in flight, by thread.
+    async_copies: RefCell<BTreeMap<usize, Vec<AsyncCopy>>>,
 }
+
+/// An asynchronous copy in flight: the first shared word it lands on, and the 16 bytes it read.
+type AsyncCopy = (usize, [u32; 4]);
 
 /// An emulated mbarrier: a phase completes when every expected arrival has arrived and the bytes
 /// expected of asynchronous stores equal those that landed (either may come first, as on the GPU).
