@@ -22,14 +22,23 @@ pub struct Timing {
 /// call is enqueued before the GPU reaches it.
 const SPIN_NS: u64 = 50_000;
 
-/// Times `reps` calls of `f` after `warmup` untimed ones: [`Timing`] medians.
-///
-/// Each timed call is enqueued behind a kernel that spins for [`SPIN_NS`]: the events around the
-/// call then time its device work alone, as in a busy stream (and as `triton.testing.do_bench`
-/// times the peers, with a cache flush queued before each call), not the host's enqueueing, which
-/// is the separate host time. Without it, on an idle stream, the start event fired as soon as it
-/// was recorded and the device time included the call's host time and launch latency.
-/// `NORMKERN_BENCH_IDLE=1` times on an idle stream as before (for comparisons with old figures).
+/// Where [`time_on`] enqueues each timed call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Queue {
+    /// Behind a kernel that spins for [`SPIN_NS`]: the events around the call then time its
+    /// device work alone, as in a busy stream (and as `triton.testing.do_bench` times the peers,
+    /// with a cache flush queued before each call), not the host's enqueueing, which is the
+    /// separate host time.
+    BehindSpin,
+    /// On an idle stream: the start event fires as soon as it is recorded, so the device time
+    /// includes the call's host time and launch latency — a lone call's latency (the small-batch
+    /// latency table), and the bench's timing before 2026-12-02.
+    Idle,
+}
+
+/// Times `reps` calls of `f` after `warmup` untimed ones, each behind a spin kernel
+/// ([`Queue::BehindSpin`]), or on an idle stream when `NORMKERN_BENCH_IDLE=1` (for comparisons
+/// with old figures): [`Timing`] medians.
 pub fn time(
     ctx: &Arc<CudaContext>,
     stream: &Arc<CudaStream>,
@@ -37,7 +46,12 @@ pub fn time(
     reps: usize,
     f: impl FnMut(usize),
 ) -> Timing {
-    time_on(ctx, stream, warmup, reps, !idle_timing(), f)
+    let queue = if idle_timing() {
+        Queue::Idle
+    } else {
+        Queue::BehindSpin
+    };
+    time_on(ctx, stream, (warmup, reps), queue, f)
 }
 
 /// Whether `NORMKERN_BENCH_IDLE=1` asks [`time`] for the idle-stream timing.
@@ -45,24 +59,13 @@ pub fn idle_timing() -> bool {
     std::env::var("NORMKERN_BENCH_IDLE").is_ok_and(|v| v == "1")
 }
 
-/// As [`time`], always on an idle stream: the latency of a lone call, its host time and launch
-/// included (the small-batch latency table).
-pub fn time_lone(
+/// Times `reps` calls of `f`, each enqueued as `queue` says, after `warmup` untimed ones:
+/// [`Timing`] medians.
+pub fn time_on(
     ctx: &Arc<CudaContext>,
     stream: &Arc<CudaStream>,
-    warmup: usize,
-    reps: usize,
-    f: impl FnMut(usize),
-) -> Timing {
-    time_on(ctx, stream, warmup, reps, false, f)
-}
-
-fn time_on(
-    ctx: &Arc<CudaContext>,
-    stream: &Arc<CudaStream>,
-    warmup: usize,
-    reps: usize,
-    behind_spin: bool,
+    (warmup, reps): (usize, usize),
+    queue: Queue,
     mut f: impl FnMut(usize),
 ) -> Timing {
     for i in 0..warmup {
@@ -70,7 +73,7 @@ fn time_on(
     }
     let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
     let mut device = Vec::with_capacity(reps);
-    let spin = behind_spin.then(|| {
+    let spin = (queue == Queue::BehindSpin).then(|| {
         let module = ctx
             .load_module(Ptx::from_src(TIMING_KERNELS))
             .expect("timing kernels");

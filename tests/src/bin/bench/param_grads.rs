@@ -11,7 +11,7 @@ use normkern::cudarc::driver::{CudaSlice, CudaStream};
 use normkern::{Context, Dtype, Gpu, NormBackward, NormForward, ParamGradients, Rows};
 use normkern::{layer_norm, rms_norm};
 use normkern_tests::Rng;
-use normkern_tests::bench::{time, time_lone};
+use normkern_tests::bench::{Queue, time, time_on};
 
 const EPS: f32 = 1e-6;
 
@@ -108,14 +108,17 @@ fn eager_and_graph(
     stream: &Arc<CudaStream>,
     mut call: impl FnMut(),
 ) -> (f64, f64, f64) {
-    let eager = time_lone(ctx.cuda(), stream, 20, 200, |_| call());
+    let eager = time_on(ctx.cuda(), stream, (20, 200), Queue::Idle, |_| call());
     stream
         .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .unwrap();
     call();
     let graph = stream.end_capture(CUgraphInstantiate_flags(0)).unwrap();
     let graph = graph.expect("a captured graph");
-    let replay = time_lone(ctx.cuda(), stream, 20, 200, |_| graph.launch().unwrap()).device_us;
+    let replay = time_on(ctx.cuda(), stream, (20, 200), Queue::Idle, |_| {
+        graph.launch().unwrap()
+    });
+    let replay = replay.device_us;
     (eager.device_us, replay, eager.host_us)
 }
 
