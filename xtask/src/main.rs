@@ -268,31 +268,52 @@ fn number_before(text: &str, unit: &str) -> u32 {
         .unwrap_or(0)
 }
 
+/// The entries and functions of a ptxas report, in its order. ptxas reports a function's stack
+/// frame and spills under "Function properties for <name>", which for an entry follows its
+/// "Compiling entry function" line but may be followed by the properties of the functions it
+/// calls (the in-launch column sum): each block belongs to the function it names, never to the
+/// entry compiled last. The register count follows its entry's own properties.
 fn parse_ptxas(report: &str) -> Vec<Resources> {
     let mut out: Vec<Resources> = Vec::new();
+    // The function whose properties the next stack-frame line gives, by index into `out`.
+    let mut described: Option<usize> = None;
+    let mut entry: Option<usize> = None;
+    let index_of = |out: &mut Vec<Resources>, name: &str| {
+        if let Some(i) = out.iter().position(|r| r.kernel == name) {
+            return i;
+        }
+        out.push(Resources {
+            kernel: name.to_string(),
+            registers: 0,
+            stack: 0,
+            spill_stores: 0,
+            spill_loads: 0,
+        });
+        out.len() - 1
+    };
     for line in report.lines() {
         if let Some(rest) = line.split("Compiling entry function '").nth(1) {
-            let kernel = rest.split('\'').next().unwrap_or("").to_string();
-            out.push(Resources {
-                kernel,
-                registers: 0,
-                stack: 0,
-                spill_stores: 0,
-                spill_loads: 0,
-            });
-        } else if let Some(r) = out.last_mut() {
-            if line.contains("bytes stack frame") {
-                r.stack = number_before(line, "stack frame");
-                r.spill_stores = number_before(line, "spill stores");
-                r.spill_loads = number_before(line, "spill loads");
-            } else if line.contains("Used ") && line.contains("registers") {
-                r.registers = line
-                    .split("Used ")
-                    .nth(1)
-                    .and_then(|s| s.split_whitespace().next())
-                    .and_then(|n| n.parse().ok())
-                    .unwrap_or(0);
-            }
+            let name = rest.split('\'').next().unwrap_or("");
+            entry = Some(index_of(&mut out, name));
+            described = None;
+        } else if let Some(rest) = line.split("Function properties for ").nth(1) {
+            described = Some(index_of(&mut out, rest.trim()));
+        } else if line.contains("bytes stack frame")
+            && let Some(r) = described.map(|i| &mut out[i])
+        {
+            r.stack = number_before(line, "stack frame");
+            r.spill_stores = number_before(line, "spill stores");
+            r.spill_loads = number_before(line, "spill loads");
+        } else if line.contains("Used ")
+            && line.contains("registers")
+            && let Some(r) = entry.map(|i| &mut out[i])
+        {
+            r.registers = line
+                .split("Used ")
+                .nth(1)
+                .and_then(|s| s.split_whitespace().next())
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0);
         }
     }
     out
@@ -314,7 +335,11 @@ fn ptxas() -> Result {
             return Err(format!("ptxas failed on {}:\n{report}", path.display()));
         }
         let kernels = parse_ptxas(&report);
-        println!("{arch}: {} kernels ({})", kernels.len(), path.display());
+        println!(
+            "{arch}: {} entries and functions ({})",
+            kernels.len(),
+            path.display()
+        );
         println!(
             "  {:<28} {:>5} {:>6} {:>7}",
             "kernel", "regs", "stack", "spills"
@@ -335,7 +360,42 @@ fn ptxas() -> Result {
     resources_verdict(&bad)
 }
 
-/// The kernels of one architecture's ptxas report with a stack frame or spills, and the functions
+/// The kernels that spill, knowingly: `(arch, kernel, most bytes of stack frame + spill stores +
+/// spill loads)`. Each measured faster on the H200 than its spill-free alternative
+/// (`bench-results/h200.md`, eighteenth session: the segment teams at 80 registers keep three
+/// blocks per SM; LayerNorm's widest plain tile keeps its prefetch; the staged RMSNorm block
+/// tile's register path keeps twelve 64-thread blocks per SM), or is the sm_80 build of such a
+/// kernel (not measured: no sm_80 GPU here). Any other kernel that spills, or one of these
+/// spilling more, fails the check; one that stops spilling must leave the list.
+const KNOWN_SPILLS: &[(&str, &str, u32)] = &[
+    ("sm_80", "layer_norm_bwd_bf16_v1l16", 336),
+    ("sm_80", "layer_norm_bwd_bf16_v1l32", 272),
+    ("sm_80", "layer_norm_bwd_bf16_v4", 92),
+    ("sm_80", "layer_norm_bwd_f16_v1l16", 336),
+    ("sm_80", "layer_norm_bwd_f16_v1l32", 272),
+    ("sm_80", "layer_norm_bwd_f16_v4", 48),
+    ("sm_80", "rms_norm_bwd_bf16_v1l16", 72),
+    ("sm_80", "rms_norm_bwd_bf16_v1l32", 72),
+    ("sm_80", "rms_norm_bwd_bf16_v4", 120),
+    ("sm_80", "rms_norm_bwd_f16_v1l16", 72),
+    ("sm_80", "rms_norm_bwd_f16_v1l32", 72),
+    ("sm_80", "rms_norm_bwd_f16_v4", 120),
+    ("sm_90", "layer_norm_bwd_bf16_v1l16", 372),
+    ("sm_90", "layer_norm_bwd_bf16_v1l32", 352),
+    ("sm_90", "layer_norm_bwd_bf16_v4", 40),
+    ("sm_90", "layer_norm_bwd_f16_v1l16", 352),
+    ("sm_90", "layer_norm_bwd_f16_v1l32", 352),
+    ("sm_90", "layer_norm_bwd_f16_v4", 40),
+    ("sm_90", "rms_norm_bwd_bf16_v1", 40),
+    ("sm_90", "rms_norm_bwd_bf16_v1l16", 128),
+    ("sm_90", "rms_norm_bwd_bf16_v1l32", 104),
+    ("sm_90", "rms_norm_bwd_f16_v1", 40),
+    ("sm_90", "rms_norm_bwd_f16_v1l16", 128),
+    ("sm_90", "rms_norm_bwd_f16_v1l32", 104),
+];
+
+/// The kernels of one architecture's ptxas report with a stack frame or spills (beyond
+/// [`KNOWN_SPILLS`]), and the functions
 /// of its PTX with a local-memory frame. A local-memory frame that ptxas then optimizes away still
 /// reports 0 bytes of stack, yet it cost the backwards up to 45 % of their bandwidth once (an array
 /// indexed at run time, an aggregate passed to a call): none may appear.
@@ -343,10 +403,26 @@ fn resource_problems(arch: &str, kernels: &[Resources], ptx: &str) -> Result<Vec
     if kernels.is_empty() {
         return Err(format!("ptxas reported no kernels for {arch}"));
     }
-    let mut bad: Vec<String> = (kernels.iter())
-        .filter(|r| r.stack > 0 || r.spill_stores > 0 || r.spill_loads > 0)
-        .map(|r| format!("{arch} {}", r.kernel))
-        .collect();
+    let mut bad: Vec<String> = Vec::new();
+    for r in kernels {
+        let bytes = r.stack + r.spill_stores + r.spill_loads;
+        let allowed = KNOWN_SPILLS
+            .iter()
+            .find(|(a, kernel, _)| *a == arch && *kernel == r.kernel)
+            .map(|k| k.2);
+        match allowed {
+            Some(most) if bytes == 0 => bad.push(format!(
+                "{arch} {} (no longer spills: take it off KNOWN_SPILLS, which allows {most} bytes)",
+                r.kernel
+            )),
+            Some(most) if bytes > most => bad.push(format!(
+                "{arch} {} ({bytes} bytes of stack and spills, more than the {most} known)",
+                r.kernel
+            )),
+            None if bytes > 0 => bad.push(format!("{arch} {}", r.kernel)),
+            _ => {}
+        }
+    }
     let mut function = "";
     for line in ptx.lines() {
         if let Some(name) =
@@ -371,7 +447,9 @@ fn resources_verdict(bad: &[String]) -> Result {
         ));
     }
     println!(
-        "ptxas: every kernel has 0 bytes stack frame and 0 spills, and no local memory in the PTX"
+        "ptxas: no kernel has a stack frame or spills beyond KNOWN_SPILLS ({} listed), and no local \
+         memory in the PTX",
+        KNOWN_SPILLS.len()
     );
     Ok(())
 }
@@ -487,4 +565,57 @@ fn bench(args: &[String]) -> Result {
             ])
             .args(args),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An entry's spills are its own, not those of a function reported after it (the report of
+    /// one sm_90 backward, a spilling one, as ptxas 13 prints it).
+    #[test]
+    fn properties_belong_to_the_function_they_name() {
+        let report = "\
+ptxas info    : Compiling entry function 'rms_norm_bwd_bf16_v2' for 'sm_90'
+ptxas info    : Function properties for rms_norm_bwd_bf16_v2
+    8 bytes stack frame, 16 bytes spill stores, 16 bytes spill loads
+ptxas info    : Used 80 registers, used 1 barriers, 8 bytes cumulative stack size
+ptxas info    : Compile time = 175.885 ms
+ptxas info    : Function properties for column_sum_in_launch
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Compiling entry function 'rms_norm_bwd_bf16_sx' for 'sm_90'
+ptxas info    : Function properties for rms_norm_bwd_bf16_sx
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers, used 1 barriers
+";
+        let found = parse_ptxas(report);
+        let of = |name: &str| found.iter().find(|r| r.kernel == name).unwrap();
+        let v2 = of("rms_norm_bwd_bf16_v2");
+        assert_eq!(
+            (v2.registers, v2.stack, v2.spill_stores, v2.spill_loads),
+            (80, 8, 16, 16)
+        );
+        let sx = of("rms_norm_bwd_bf16_sx");
+        assert_eq!((sx.registers, sx.stack, sx.spill_stores), (40, 0, 0));
+        assert_eq!(of("column_sum_in_launch").stack, 0);
+        let bad = resource_problems("sm_90", &found, "").unwrap();
+        assert_eq!(bad, ["sm_90 rms_norm_bwd_bf16_v2"]);
+    }
+
+    /// A known spill passes up to its listed bytes, fails past them or once it is gone.
+    #[test]
+    fn known_spills_are_bounded() {
+        let (arch, kernel, most) = KNOWN_SPILLS[0];
+        let with = |bytes: u32| {
+            let r = Resources {
+                kernel: kernel.to_string(),
+                registers: 80,
+                stack: 0,
+                spill_stores: bytes,
+                spill_loads: 0,
+            };
+            resource_problems(arch, &[r], "").unwrap().len()
+        };
+        assert_eq!((with(most), with(most + 1), with(0)), (0, 1, 1));
+    }
 }

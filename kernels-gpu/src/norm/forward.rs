@@ -2,7 +2,9 @@
 
 use super::Normalization;
 use super::params::ForwardParams;
-use super::policy::{STREAM, forward_prefetches, stream_in_pairs};
+use super::policy::{
+    STREAM, forward_params_in_shared, forward_prefetches, forward_words, stream_in_pairs,
+};
 use super::rows::{
     AddResidual, Plain, RowSource, param, row_stats_regs, row_stats_stream, stream_accesses,
 };
@@ -102,6 +104,36 @@ pub(super) unsafe fn forward_regs<
     let elem = |k: usize| (tid + k * threads) * len;
     // γ and β are re-read for every row (from L1: every block of the SM reads the same few KB)
     // rather than held: as f32 they would take 16 registers per pack each, a resident block.
+    // Where `forward_params_in_shared`, from this thread's own shared slots instead, written once
+    // here (no barrier: no other thread reads them).
+    let in_shared = forward_params_in_shared(N::CENTERED, S::WIDE, VEC, VPT, team.lanes);
+    let has_beta = N::CENTERED && p.beta != 0;
+    let slots = ParamSlots::<VPT>::new(
+        forward_words(
+            N::CENTERED,
+            S::WIDE,
+            VEC,
+            VPT,
+            team.lanes,
+            arch::block_dim(),
+        )
+        .0,
+        len,
+    );
+    if in_shared {
+        for k in 0..VPT {
+            if elem(k) < d {
+                let at = elem(k);
+                unsafe {
+                    let gamma = param::<T, VEC>(p.gamma, at, p.params_f32, p.gamma_offset);
+                    slots.keep(0, k, &gamma);
+                    if has_beta {
+                        slots.keep(1, k, &param::<T, VEC>(p.beta, at, p.params_f32, 0.0));
+                    }
+                }
+            }
+        }
+    }
     // As in the backward, the next row's loads can be issued before this row's reduction and stores.
     let load_row = |row: usize| {
         let src_row = src.row(row);
@@ -140,12 +172,22 @@ pub(super) unsafe fn forward_regs<
         for k in 0..VPT {
             if elem(k) < d {
                 unsafe { src.emit(&src_row, elem(k), &x[k]) };
-                let gamma =
-                    unsafe { param::<T, VEC>(p.gamma, elem(k), p.params_f32, p.gamma_offset) };
-                let beta = if N::CENTERED && p.beta != 0 {
-                    unsafe { param::<T, VEC>(p.beta, elem(k), p.params_f32, 0.0) }
+                let (gamma, beta) = if in_shared {
+                    let beta = if has_beta {
+                        unsafe { slots.kept(1, k) }
+                    } else {
+                        [0.0; 8]
+                    };
+                    (unsafe { slots.kept(0, k) }, beta)
                 } else {
-                    [0.0; 8]
+                    let gamma =
+                        unsafe { param::<T, VEC>(p.gamma, elem(k), p.params_f32, p.gamma_offset) };
+                    let beta = if N::CENTERED && p.beta != 0 {
+                        unsafe { param::<T, VEC>(p.beta, elem(k), p.params_f32, 0.0) }
+                    } else {
+                        [0.0; 8]
+                    };
+                    (gamma, beta)
                 };
                 let mut y = [0.0f32; 8];
                 for i in 0..len {
@@ -218,5 +260,61 @@ pub(super) unsafe fn forward_stream<
             },
         );
         row += stride;
+    }
+}
+
+/// A thread's shared-memory slots for γ and β ([`forward_params_in_shared`]): per access, 8 f32
+/// in two 16-byte halves, each half of a block's threads consecutive (no bank conflicts); γ's
+/// slots (`which` 0), then β's (1).
+#[derive(Clone, Copy)]
+struct ParamSlots<const VPT: usize> {
+    base: usize,
+    halves: usize,
+}
+
+impl<const VPT: usize> ParamSlots<VPT> {
+    #[inline(always)]
+    fn new(base: usize, len: usize) -> Self {
+        ParamSlots {
+            base,
+            halves: len.div_ceil(4),
+        }
+    }
+
+    #[inline(always)]
+    fn word(&self, which: usize, k: usize, half: usize) -> usize {
+        let block = arch::block_dim();
+        self.base + 4 * (((which * VPT + k) * 2 + half) * block + arch::thread_idx())
+    }
+
+    /// Stores this thread's `v` of access `k`.
+    ///
+    /// # Safety
+    /// The launch provides the slots (`forward_words`).
+    #[inline(always)]
+    unsafe fn keep(&self, which: usize, k: usize, v: &[f32; 8]) {
+        for half in 0..self.halves {
+            let quad = [
+                v[4 * half],
+                v[4 * half + 1],
+                v[4 * half + 2],
+                v[4 * half + 3],
+            ];
+            unsafe { arch::shared_f32().store4(self.word(which, k, half), quad) };
+        }
+    }
+
+    /// What [`Self::keep`] stored.
+    ///
+    /// # Safety
+    /// As for [`Self::keep`].
+    #[inline(always)]
+    unsafe fn kept(&self, which: usize, k: usize) -> [f32; 8] {
+        let mut v = [0.0f32; 8];
+        for half in 0..self.halves {
+            let quad = unsafe { arch::shared_f32().load4(self.word(which, k, half)) };
+            v[4 * half..4 * half + 4].copy_from_slice(&quad);
+        }
+        v
     }
 }

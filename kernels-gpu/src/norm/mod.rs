@@ -241,7 +241,7 @@ macro_rules! norm_kernels {
             lanes: $lanes,
         };
         $crate::kernel::kernel!(table $entry, KEY, $arch,
-            $shared::<$norm, $vpt, $res, $cluster, $lanes>,
+            $shared::<$norm, $vec, $vpt, $res, $cluster, $lanes>,
             $large(KEY),
             $registers(KEY),
             $body::<$crate::element::$t, $vec, $vpt, $norm, $res, $cluster, $lanes>)

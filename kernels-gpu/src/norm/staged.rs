@@ -1,5 +1,6 @@
-//! The staged backward of the cluster register tiles: rows copied into a ring in shared memory by
-//! the copy engine, several rows ahead, instead of one prefetched row in registers.
+//! The staged backward (`super::policy::staged`: the plain packed cluster tiles and narrower block
+//! tiles): rows copied into a ring in shared memory by the copy engine, several rows ahead,
+//! instead of one prefetched row in registers.
 
 use super::Normalization;
 use super::backward::load_stats;
@@ -254,7 +255,12 @@ pub(super) unsafe fn backward_staged<
             }
             i += 1;
         }
-        unsafe { tile.store_partials(group, &dgamma, &dbeta) };
+        if team.cluster {
+            // The locked baseline is a block's (the launch plan refuses it to clusters).
+            unsafe { tile.store_partials(group, &dgamma, &dbeta) };
+        } else {
+            unsafe { tile.store_group(group, &dgamma, &dbeta) };
+        }
         group += team.stride;
     }
 }

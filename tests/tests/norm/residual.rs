@@ -276,6 +276,9 @@ fn residual_matches_reference<T: TestDtype, R: TestDtype, H: TestDtype, B: Backe
 /// with packs needs rows wider than the emulator runs quickly: the GPU tests cover it.
 const SCALAR: ResidualShape = (5, 127, [130, 129, 131, 133]);
 const PACKED: ResidualShape = (3, 1000, [1000, 1016, 1008, 1024]);
+/// Packed rows too wide for a warp: block tiles (LayerNorm's forward keeps γ and β in shared
+/// memory there).
+const PACKED_BLOCK: ResidualShape = (5, 2056, [2056, 2064, 2072, 2080]);
 /// Rows a warp segment takes (25 packs: 32 lanes), 37 rows over a block's 8 teams.
 const SEGMENT: ResidualShape = (37, 200, [208, 200, 216, 224]);
 
@@ -290,6 +293,7 @@ fn emulator_residual_in_the_activations_dtype() {
             (Kind::Rms, PACKED, false),
             (LAYER, SCALAR, false),
             (LAYER, PACKED, false),
+            (LAYER, PACKED_BLOCK, false),
             (Kind::Rms, SEGMENT, false),
             (LAYER, SEGMENT, true),
         ],
@@ -312,7 +316,10 @@ fn emulator_residual_stream_in_f32() {
         ],
     );
     residual_matches_reference::<f16, f16, f32, _>(&emulator(), &[(Kind::Rms, SCALAR, false)]);
-    residual_matches_reference::<bf16, f32, bf16, _>(&emulator(), &[(LAYER, PACKED, false)]);
+    residual_matches_reference::<bf16, f32, bf16, _>(
+        &emulator(),
+        &[(LAYER, PACKED, false), (LAYER, PACKED_BLOCK, false)],
+    );
 }
 
 #[test]
