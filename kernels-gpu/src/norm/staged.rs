@@ -96,8 +96,9 @@ impl<T: Element, const VPT: usize> StagedRows<T, VPT> {
     /// A ring after the block's first `start` words; thread 0 makes its mbarriers.
     ///
     /// # Safety
-    /// Every thread of the block calls it, before [`RowReducer::new`] (whose cluster barrier
-    /// publishes the mbarriers); the launch provides [`staged_words_end`] words.
+    /// Every thread of the block calls it (a block team: it has a barrier), a cluster's before
+    /// [`RowReducer::new`] (whose cluster barrier publishes the mbarriers); the launch provides
+    /// [`staged_words_end`] words.
     #[inline(always)]
     pub(super) unsafe fn new(start: usize, team: Team, d: usize) -> Self {
         let block = arch::block_dim();
@@ -116,6 +117,15 @@ impl<T: Element, const VPT: usize> StagedRows<T, VPT> {
             for stage in 0..STAGES {
                 unsafe { arch::shared_f32().mbarrier_init(ring.barriers + 2 * stage, 1) };
             }
+            if !team.cluster {
+                arch::fence_mbarrier_init();
+            }
+        }
+        if !team.cluster {
+            // A block team has no cluster barrier to publish the mbarriers (`RowReducer::new`'s):
+            // without this one another thread may wait on a stage's mbarrier before thread 0
+            // made it (racecheck found it on the H200, and it faulted there).
+            arch::sync_threads();
         }
         ring
     }
