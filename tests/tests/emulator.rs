@@ -92,6 +92,37 @@ fn asynchronous_copies_land_when_their_thread_waits() {
     assert_eq!(after.load(SeqCst), 32, "a copy did not land at the wait");
 }
 
+/// An mbarrier made by one thread is another's only after a barrier: the staged block tile
+/// once waited on its ring's before that, which only racecheck on the GPU caught.
+#[test]
+fn an_mbarrier_used_before_a_barrier_published_it_is_reported() {
+    let wait_for_thread_0 = |publish: bool| unsafe {
+        let shared = arch::shared_f32();
+        if arch::thread_idx() == 0 {
+            shared.mbarrier_init(0, 1);
+        }
+        if publish {
+            arch::sync_threads();
+        }
+        if arch::thread_idx() == 0 {
+            shared.mbarrier_arrive_expect_tx(0, 0);
+        }
+        shared.mbarrier_wait(0, 0);
+    };
+    let r = emu::launch("unpublished", (1, 64, 1), 64, false, &|| {
+        wait_for_thread_0(false)
+    });
+    expect_error(
+        r,
+        "unpublished",
+        "before a block or cluster barrier published it",
+    );
+    emu::launch("published", (1, 64, 1), 64, false, &|| {
+        wait_for_thread_0(true)
+    })
+    .unwrap();
+}
+
 #[test]
 fn a_panicking_thread_fails_the_launch_with_its_message() {
     let r = emu::launch("panics", (1, 64, 1), 0, false, &|| {

@@ -169,6 +169,36 @@ struct Mbarrier {
     /// Bytes expected minus bytes landed in the current phase.
     tx: i64,
     phase: u32,
+    /// The thread that made it, and how many block and cluster barriers had completed then:
+    /// another thread may use it only after one more (see [`Mbarrier::check_published`]).
+    made_by: (usize, usize),
+    made_at: (u64, u64),
+}
+
+impl Mbarrier {
+    /// Panics when thread `tid` of block `rank` uses this mbarrier (at word `i`) before a block
+    /// or cluster barrier has published it: on the GPU it may not exist yet for that thread (nor
+    /// for the copy engine), and no interleaving the emulator runs shows it, since the maker runs
+    /// up to its next barrier first.
+    fn check_published(
+        &self,
+        cluster: &Cluster,
+        (rank, tid): (usize, usize),
+        i: usize,
+        what: &str,
+    ) {
+        let now = (
+            cluster.blocks[self.made_by.0].barrier.generation.get(),
+            cluster.barrier.generation.get(),
+        );
+        if (rank, tid) != self.made_by && now == self.made_at {
+            panic!(
+                "{what} on the mbarrier at word {i} of block rank {} by thread {tid} of rank \
+                 {rank} before a block or cluster barrier published it (thread {} made it)",
+                self.made_by.0, self.made_by.1
+            );
+        }
+    }
 }
 
 impl Block {
@@ -362,6 +392,11 @@ impl SharedF32 {
                 pending: arrivals,
                 tx: 0,
                 phase: 0,
+                made_by: (c.rank, c.tid),
+                made_at: (
+                    block.barrier.generation.get(),
+                    c.cluster.barrier.generation.get(),
+                ),
             };
             block.mbarriers.borrow_mut().insert(i, bar);
         })
@@ -388,8 +423,11 @@ impl SharedF32 {
     /// # Safety
     /// Safe in the emulator (checked); unsafe for symmetry with the GPU.
     pub unsafe fn mbarrier_wait(self, i: usize, parity: u32) {
-        let (cluster, rank) = with_ctx(|c| (c.cluster.clone(), c.rank));
+        let (cluster, rank, tid) = with_ctx(|c| (c.cluster.clone(), c.rank, c.tid));
         let block = &cluster.blocks[rank];
+        if let Some(bar) = block.mbarriers.borrow().get(&i) {
+            bar.check_published(&cluster, (rank, tid), i, "a wait");
+        }
         let phase = || match block.mbarriers.borrow().get(&i) {
             Some(bar) => bar.phase,
             None => panic!("mbarrier wait on word {i}, which holds no initialized mbarrier"),
@@ -419,6 +457,10 @@ impl SharedF32 {
                     c.cluster.blocks.len()
                 )
             };
+            if let Some(bar) = block.mbarriers.borrow().get(&mbarrier) {
+                let sender = (c.rank, c.tid);
+                bar.check_published(&c.cluster, sender, mbarrier, "an asynchronous store");
+            }
             shared_word(block, i, "asynchronous store").store(v.to_bits(), Ordering::SeqCst);
             block.update_mbarrier(mbarrier, "asynchronous store", |bar| bar.tx -= 4);
         })
