@@ -363,8 +363,8 @@ fn ptxas() -> Result {
 /// The kernels that spill, knowingly: `(arch, kernel, most bytes of stack frame + spill stores +
 /// spill loads)`. Each measured faster on the H200 than its spill-free alternative
 /// (`bench-results/h200.md`, eighteenth session: the segment teams at 80 registers keep three
-/// blocks per SM; LayerNorm's widest plain tile keeps its prefetch), or is the sm_80 build of such a
-/// kernel (not measured: no sm_80 GPU here). Any other kernel that spills, or one of these
+/// blocks per SM; LayerNorm's widest plain tile keeps its prefetch), or is the sm_80 build of
+/// such a kernel (not measured: no sm_80 GPU here). Any other kernel that spills, or one of these
 /// spilling more, fails the check; one that stops spilling must leave the list.
 const KNOWN_SPILLS: &[(&str, &str, u32)] = &[
     ("sm_80", "layer_norm_bwd_bf16_v1l16", 336),
@@ -391,11 +391,11 @@ const KNOWN_SPILLS: &[(&str, &str, u32)] = &[
     ("sm_90", "rms_norm_bwd_f16_v1l32", 104),
 ];
 
-/// The kernels of one architecture's ptxas report with a stack frame or spills (beyond
-/// [`KNOWN_SPILLS`]), and the functions
-/// of its PTX with a local-memory frame. A local-memory frame that ptxas then optimizes away still
-/// reports 0 bytes of stack, yet it cost the backwards up to 45 % of their bandwidth once (an array
-/// indexed at run time, an aggregate passed to a call): none may appear.
+/// The kernels of one architecture's ptxas report with a stack frame or spills beyond
+/// [`KNOWN_SPILLS`], and the functions of its PTX with a local-memory frame. A local-memory
+/// frame that ptxas then optimizes away still reports 0 bytes of stack, yet it cost the backwards
+/// up to 45 % of their bandwidth once (an array indexed at run time, an aggregate passed to a
+/// call): none may appear.
 fn resource_problems(arch: &str, kernels: &[Resources], ptx: &str) -> Result<Vec<String>> {
     if kernels.is_empty() {
         return Err(format!("ptxas reported no kernels for {arch}"));
