@@ -24,5 +24,10 @@ pub use emu::{
 /// Lanes in a warp; every block size normkern launches is a multiple of it.
 pub const WARP: usize = 32;
 
+/// Whether this build targets sm_90 (the emulator stands in for sm_90): kernels compiled for
+/// sm_80 too ask it where the two differ. [`SharedF32::bulk_copy_from`] is the copy engine's
+/// only on sm_90; on sm_80 it is a plain copy by one thread.
+pub const SM_90: bool = cfg!(any(target_feature = "sm_90", not(target_arch = "nvptx64")));
+
 /// Most blocks in a cluster: the portable limit of sm_90.
 pub const MAX_CLUSTER: usize = 8;

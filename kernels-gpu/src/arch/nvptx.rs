@@ -415,8 +415,9 @@ pub fn wait_async_copies() {
     unsafe { asm!("cp.async.wait_all;", options(nostack, preserves_flags)) }
 }
 
-/// Makes this thread's `mbarrier_init`s visible to the other blocks of the cluster, for their
-/// asynchronous stores (`fence.mbarrier_init.release.cluster`); a cluster barrier must follow.
+/// Makes this thread's `mbarrier_init`s visible to the other threads of the cluster (of the
+/// block, in a launch without clusters) and to the copy engine, for their asynchronous stores
+/// (`fence.mbarrier_init.release.cluster`); a cluster (block) barrier must follow.
 #[inline(always)]
 pub fn fence_mbarrier_init() {
     #[cfg(target_feature = "sm_90")]

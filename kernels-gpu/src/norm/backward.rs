@@ -3,15 +3,15 @@
 
 use super::Normalization;
 use super::params::BackwardParams;
-use super::policy::{STREAM, backward_words, gamma_end, plain_adds_dresidual, staged};
+use super::policy::{
+    STREAM, backward_words, block_stages_rows, gamma_end, plain_adds_dresidual, staged,
+};
 use super::rows::{Plain, ResidualBackward, RowSource, param, row_stats_stream};
 use super::segments::{SEGMENT_THREADS, backward_segments, combine_words};
 use super::staged::backward_staged;
 use super::tile::BackwardTile;
 use crate::arch;
-use crate::column_sum::{
-    GROUP_SUMS_ATOMIC, GROUP_SUMS_LOCKED, finish_group_sums, store_group_partials,
-};
+use crate::column_sum::{GROUP_SUMS_ATOMIC, finish_group_sums, store_group_partials};
 use crate::element::{Access, Element, load_f32s, row_addr};
 use crate::reduce::{PendingSums, RowReducer, Team};
 
@@ -39,7 +39,7 @@ pub unsafe fn backward<
     } else {
         arch::block_dim()
     };
-    let slots = backward_words(N::CENTERED, VPT, RESIDUAL, CLUSTER, LANES, threads).0;
+    let slots = backward_words(N::CENTERED, VEC, VPT, RESIDUAL, CLUSTER, LANES, threads).0;
     let plain = Plain::backward(p, plain_adds_dresidual(VPT, CLUSTER, LANES), slots);
     let area = combine_words(
         gamma_end(N::CENTERED, VPT, LANES, SEGMENT_THREADS),
@@ -57,7 +57,10 @@ pub unsafe fn backward<
             }
             (true, false) => backward_stream::<T, VEC, N, _>(p, plain, team),
             (true, true) => backward_stream::<T, VEC, N, _>(p, ResidualBackward::new(p), team),
-            (false, false) if staged(CLUSTER, RESIDUAL, VPT) => {
+            (false, false)
+                if staged(N::CENTERED, VEC, CLUSTER, RESIDUAL, VPT, LANES)
+                    && (CLUSTER || block_stages_rows(arch::block_dim())) =>
+            {
                 backward_staged::<T, VEC, VPT, N>(p, plain, team)
             }
             (false, false) => backward_regs::<T, VEC, VPT, N, _>(p, plain, team),
@@ -208,18 +211,7 @@ pub(super) unsafe fn backward_regs<
                 tile.pass2(&mut reducer, row, &this, pass1, &mut dgamma, &mut dbeta);
             }
         }
-        if p.sums.mode == GROUP_SUMS_LOCKED {
-            // The locked-buffers baseline: add into buffer `group % buffers` under its lock.
-            let slot = group % p.sums.buffers as usize;
-            let lock = p.sums.sync + (slot * 4) as u64;
-            unsafe {
-                arch::block_lock(lock);
-                tile.store_partials(slot, &dgamma, &dbeta);
-                arch::block_unlock(lock);
-            }
-        } else {
-            unsafe { tile.store_partials(group, &dgamma, &dbeta) };
-        }
+        unsafe { tile.store_group(group, &dgamma, &dbeta) };
         group += team.stride;
     }
 }

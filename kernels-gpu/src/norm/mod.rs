@@ -33,7 +33,8 @@
 //! (sm_90; the `CLUSTER` instances, [`crate::reduce::Team`]): each block holds its share of the
 //! row and [`crate::reduce::RowReducer`] adds the blocks' partial sums through distributed shared
 //! memory; their backward has its rows copied into a ring in shared memory by the copy engine
-//! (`staged`). Rows wider still, or any too wide for a block before sm_90, use the streaming
+//! (`staged`), as has RMSNorm's one-access block tile where its blocks have four warps or more
+//! ([`policy::staged`]). Rows wider still, or any too wide for a block before sm_90, use the streaming
 //! instance (`VPT` = [`STREAM`]), which reads the row more than once (the later reads mostly hit
 //! L2), over a cluster where there is one.
 //!

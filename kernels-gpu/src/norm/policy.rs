@@ -8,6 +8,7 @@ use super::segments::combine_words;
 use super::staged::staged_words_end;
 use super::tile::SharedGamma;
 use super::{Norm, NormKey, Normalization};
+use crate::arch;
 use crate::reduce::ROW_REDUCER_SHARED_WORDS;
 
 /// Accesses per thread of the streaming instances: the row is re-read from memory (mostly L2)
@@ -64,6 +65,16 @@ pub const fn forward_words(
     }
 }
 
+/// Whether a backward register tile or segment team loads the next row before reducing this
+/// one. The widest tile of a wide source (the `_res` families hold the row as f32) has no
+/// registers left for a second row: it would spill. LayerNorm's widest plain tile makes room by
+/// holding γ in shared memory, and still spills 12 bytes at 255 registers (16-bit); without the
+/// prefetch it spilled nothing but measured 9 points slower (8192×8192: 65.1 → 56.0 % of copy,
+/// `bench-results/h200.md`, eighteenth session), so it keeps it.
+pub const fn backward_prefetches(wide: bool, vpt: usize) -> bool {
+    !(wide && vpt >= 4)
+}
+
 /// Whether a streaming pass keeps two loads per thread in flight (`rows::stream_accesses`): one
 /// at a time, the streaming tile (one 1024-thread block per SM) had 16 KB of loads in flight per
 /// SM. Sources of two operands per access (`RowSource::WIDE`, the residual families) keep one:
@@ -92,11 +103,32 @@ pub const fn plain_adds_dresidual(vpt: usize, cluster: bool, lanes: usize) -> bo
 }
 
 /// Whether a backward instance stages its rows through shared memory
-/// (`super::staged::StagedRows`): the plain register tiles of a cluster. Their blocks wait on
-/// each other every row, so each row waits for the slowest block's loads; the copy engine keeps
-/// three rows in flight where registers held one.
-pub const fn staged(cluster: bool, residual: bool, vpt: usize) -> bool {
-    cluster && !residual && vpt != STREAM
+/// (`super::staged::StagedRows`): the plain packed register tiles of a cluster, and RMSNorm's
+/// one-access block tile (rows of 257–2048 16-bit elements), where [`block_stages_rows`] says.
+/// A cluster's blocks wait on each other every row, so each row waits for the slowest block's
+/// loads; the one-access block tile runs one block per dγ group, a few per SM, each with one row
+/// prefetched. The copy engine keeps three rows in flight where registers held one, and holds no
+/// registers for them. LayerNorm's one-access tile and both norms' wider block tiles measured
+/// no faster or slower staged (`bench-results/h200.md`, eighteenth session).
+pub const fn staged(
+    centered: bool,
+    vec: bool,
+    cluster: bool,
+    residual: bool,
+    vpt: usize,
+    lanes: usize,
+) -> bool {
+    vec && !residual && vpt != STREAM && lanes == 0 && (cluster || (!centered && vpt == 1))
+}
+
+/// Whether a launch of a [`staged`] block tile of `threads` threads takes the ring rather than
+/// its register prefetch (both are compiled; the ring's words are reserved either way): blocks
+/// of at least four warps, rows of at least 2 KiB of each operand. Narrower rows take many
+/// small groups and blocks, where a bulk copy per operand and row measured slower than the
+/// prefetch (RMSNorm 262144×512: 79.8 → 73.3 % of copy). sm_80 builds, without bulk copies
+/// ([`arch::SM_90`]), prefetch.
+pub const fn block_stages_rows(threads: usize) -> bool {
+    arch::SM_90 && threads >= 128
 }
 
 /// The first word past the reducer's and γ's ([`gamma_in_shared`]) of a backward block of
@@ -130,6 +162,7 @@ pub fn forward_shared_bytes<
 /// asynchronously while the row is reduced.
 pub(super) const fn backward_words(
     centered: bool,
+    vec: bool,
     vpt: usize,
     residual: bool,
     cluster: bool,
@@ -139,7 +172,7 @@ pub(super) const fn backward_words(
     let end = gamma_end(centered, vpt, lanes, threads);
     let words = if lanes != 0 {
         combine_words(end, vpt, lanes).1
-    } else if staged(cluster, residual, vpt) {
+    } else if staged(centered, vec, cluster, residual, vpt, lanes) {
         staged_words_end(end, vpt, threads)
     } else {
         end
@@ -165,7 +198,7 @@ pub fn backward_shared_bytes<
 >(
     threads: usize,
 ) -> usize {
-    backward_words(N::CENTERED, VPT, RESIDUAL, CLUSTER, LANES, threads).1 * 4
+    backward_words(N::CENTERED, VEC, VPT, RESIDUAL, CLUSTER, LANES, threads).1 * 4
 }
 
 /// Whether a forward block may need more than the default 48 KiB of shared memory: those with
@@ -184,8 +217,14 @@ pub const fn forward_large_shared(key: NormKey) -> bool {
 /// [`staged`] ones, whose ring grows with the block, and those with dresidual slots (LayerNorm's
 /// widest block tile holds γ there too: 48 KiB and a little more).
 pub const fn backward_large_shared(key: NormKey) -> bool {
-    staged(key.cluster, key.residual, key.vpt)
-        || (!key.residual && plain_adds_dresidual(key.vpt, key.cluster, key.lanes))
+    staged(
+        matches!(key.norm, Norm::Layer),
+        key.vec,
+        key.cluster,
+        key.residual,
+        key.vpt,
+        key.lanes,
+    ) || (!key.residual && plain_adds_dresidual(key.vpt, key.cluster, key.lanes))
 }
 
 /// LayerNorm's plain 2-pack block tile, the one instance whose natural register allocation
@@ -227,6 +266,19 @@ pub const fn forward_register_budget(key: NormKey) -> u32 {
     }
 }
 
+/// A [`staged`] block tile (not a cluster's).
+const fn staged_block_tile(key: NormKey) -> bool {
+    !key.cluster
+        && staged(
+            matches!(key.norm, Norm::Layer),
+            key.vec,
+            key.cluster,
+            key.residual,
+            key.vpt,
+            key.lanes,
+        )
+}
+
 /// Registers per thread of a backward instance (0: ptxas's choice). The LayerNorm 2-pack tile
 /// (d = 2048..4096 at 16 bits): its dβ partials and μ took it to 153–161 registers, one block per
 /// SM; it fits 128 without spilling.
@@ -238,6 +290,12 @@ pub const fn backward_register_budget(key: NormKey) -> u32 {
         // (101–128 at 16 bits) keeps two. At 16 bits 80 spills (RMSNorm 40–48 bytes, LayerNorm
         // 152–164), yet measured faster than ptxas's choice without spills (RMSNorm 1048576×128
         // 84.4 against 77.2 % of copy, LayerNorm 77.9 against 75.8; eighteenth session).
+        80
+    } else if key.dtype.bytes() == 2 && staged_block_tile(key) {
+        // The staged block tile compiles the ring and the register prefetch side by side
+        // ([`block_stages_rows`]): ptxas's choice of 94 registers at 16 bits keeps ten 64-thread
+        // blocks per SM instead of twelve, which cost the prefetch 8 points (262144×512: 79.9 →
+        // 71.8 % of copy); 80 keep twelve and spill 16 bytes.
         80
     } else {
         0

@@ -1,5 +1,6 @@
-//! The staged backward of the cluster register tiles: rows copied into a ring in shared memory by
-//! the copy engine, several rows ahead, instead of one prefetched row in registers.
+//! The staged backward (`super::policy::staged`: the plain packed cluster tiles and narrower block
+//! tiles): rows copied into a ring in shared memory by the copy engine, several rows ahead,
+//! instead of one prefetched row in registers.
 
 use super::Normalization;
 use super::backward::load_stats;
@@ -95,8 +96,9 @@ impl<T: Element, const VPT: usize> StagedRows<T, VPT> {
     /// A ring after the block's first `start` words; thread 0 makes its mbarriers.
     ///
     /// # Safety
-    /// Every thread of the block calls it, before [`RowReducer::new`] (whose cluster barrier
-    /// publishes the mbarriers); the launch provides [`staged_words_end`] words.
+    /// Every thread of the block calls it (a block team: it has a barrier), a cluster's before
+    /// [`RowReducer::new`] (whose cluster barrier publishes the mbarriers); the launch provides
+    /// [`staged_words_end`] words.
     #[inline(always)]
     pub(super) unsafe fn new(start: usize, team: Team, d: usize) -> Self {
         let block = arch::block_dim();
@@ -115,6 +117,15 @@ impl<T: Element, const VPT: usize> StagedRows<T, VPT> {
             for stage in 0..STAGES {
                 unsafe { arch::shared_f32().mbarrier_init(ring.barriers + 2 * stage, 1) };
             }
+            if !team.cluster {
+                arch::fence_mbarrier_init();
+            }
+        }
+        if !team.cluster {
+            // A block team has no cluster barrier to publish the mbarriers (`RowReducer::new`'s):
+            // without this one another thread may wait on a stage's mbarrier before thread 0
+            // made it (racecheck found it on the H200, and it faulted there).
+            arch::sync_threads();
         }
         ring
     }
@@ -254,7 +265,12 @@ pub(super) unsafe fn backward_staged<
             }
             i += 1;
         }
-        unsafe { tile.store_partials(group, &dgamma, &dbeta) };
+        if team.cluster {
+            // The locked baseline is a block's (the launch plan refuses it to clusters).
+            unsafe { tile.store_partials(group, &dgamma, &dbeta) };
+        } else {
+            unsafe { tile.store_group(group, &dgamma, &dbeta) };
+        }
         group += team.stride;
     }
 }

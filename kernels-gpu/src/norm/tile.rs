@@ -4,10 +4,10 @@
 use super::Normalization;
 use super::backward::{DxRow, RowSums, load_stats};
 use super::params::BackwardParams;
-use super::policy::gamma_in_shared;
+use super::policy::{backward_prefetches, gamma_in_shared};
 use super::rows::{RowSource, param, row_stats_regs};
 use crate::arch;
-use crate::column_sum::store_group_partials;
+use crate::column_sum::{GROUP_SUMS_LOCKED, store_group_partials};
 use crate::element::{Access, Element, Pack, row_addr};
 use crate::reduce::{PendingSums, ROW_REDUCER_SHARED_WORDS, RowReducer, Team};
 
@@ -115,11 +115,7 @@ impl<T: Element, const VEC: bool, const VPT: usize, N: Normalization, S: RowSour
             d: p.d as usize,
             gamma: [[0.0f32; 8]; VPT],
             shared_gamma: SharedGamma::new(),
-            // The widest tile of a wide source has no registers left for a second row (it would
-            // spill); LayerNorm's widest plain tile makes room by holding γ in shared memory, and
-            // still spills 12 bytes at 16 bits, yet without the prefetch it measured 9 points
-            // slower (8192×8192, `bench-results/h200.md`, eighteenth session).
-            prefetch: !(S::WIDE && VPT >= 4),
+            prefetch: backward_prefetches(S::WIDE, VPT),
             element: core::marker::PhantomData,
         };
         for k in 0..VPT {
@@ -326,6 +322,34 @@ impl<T: Element, const VEC: bool, const VPT: usize, N: Normalization, S: RowSour
                 let dx = T::pack(&dx, Self::LEN);
                 unsafe { Access::<T, VEC>::store(dx_row, self.elem(k), &dx) };
             }
+        }
+    }
+
+    /// Writes the group's partial rows ([`Self::store_partials`]), or for the locked-buffers
+    /// baseline (block tiles only: the launch plan refuses it to clusters and segment teams) adds
+    /// them into buffer `group % buffers` under its lock.
+    ///
+    /// # Safety
+    /// As for [`Self::store_partials`]; every thread of the block calls it (the lock is the
+    /// block's).
+    #[inline(always)]
+    pub(super) unsafe fn store_group(
+        &self,
+        group: usize,
+        dgamma: &[[f32; 8]; VPT],
+        dbeta: &[[f32; 8]; VPT],
+    ) {
+        let sums = &self.p.sums;
+        if sums.mode == GROUP_SUMS_LOCKED {
+            let slot = group % sums.buffers as usize;
+            let lock = sums.sync + (slot * 4) as u64;
+            unsafe {
+                arch::block_lock(lock);
+                self.store_partials(slot, dgamma, dbeta);
+                arch::block_unlock(lock);
+            }
+        } else {
+            unsafe { self.store_partials(group, dgamma, dbeta) };
         }
     }
 
