@@ -26,9 +26,8 @@ const SPIN_NS: u64 = 50_000;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Queue {
     /// Behind a kernel that spins for [`SPIN_NS`]: the events around the call then time its
-    /// device work alone, as in a busy stream (and as `triton.testing.do_bench` times the peers,
-    /// with a cache flush queued before each call), not the host's enqueueing, which is the
-    /// separate host time.
+    /// device work alone, as in a busy stream (and as `tests/peers/peers.py` times the peers),
+    /// not the host's enqueueing, which is the separate host time.
     BehindSpin,
     /// On an idle stream: the start event fires as soon as it is recorded, so the device time
     /// includes the call's host time and launch latency — a lone call's latency (the small-batch

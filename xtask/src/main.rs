@@ -12,7 +12,7 @@
 //! - `bench [ARGS]`: run the benchmark binary here (`--sweep [--csv PATH]`: the norms over d as CSV,
 //!   a relative PATH from the workspace root).
 //! - `plot-sweep --csv FILE [--peers FILE] [--out FILE]`: draw a sweep's CSV as a PNG (% of copy
-//!   against d), the best of `shared/peers/peers.py`'s JSON dashed; by default beside the CSV.
+//!   against d), the best of `tests/peers/peers.py`'s JSON dashed; by default beside the CSV.
 //!   Needs the `plot` feature: `cargo run --release -p xtask --features plot -- plot-sweep …`.
 
 #[cfg(feature = "plot")]

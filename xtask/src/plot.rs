@@ -1,5 +1,5 @@
 //! `plot-sweep`: the bench sweep's CSV as a PNG, % of copy against d, one line per op, direction
-//! and dtype; with the peers' JSON (`shared/peers/peers.py`), the best peer per op and direction
+//! and dtype; with the peers' JSON (`tests/peers/peers.py`), the best peer per op and direction
 //! as dashed lines in the same colour.
 
 use std::collections::BTreeMap;
@@ -154,7 +154,10 @@ fn measured_lines(csv: &str) -> Result<(Vec<Line>, f64)> {
 
 /// The best peer per op and direction at each d of `peers.py`'s JSON (a list of records: one
 /// `{"impl": "copy", "gbs"}`, then `{impl, op: "rms"|"ln", rows, d, fwd_gbs, bwd_gbs, ...}`), as %
-/// of the copy bandwidth measured in the same run.
+/// of the copy bandwidth measured in the same run. A record whose `fwd_host_bound` or
+/// `bwd_host_bound` is true (`tests/peers/peers.py`: the call's host time outlasted the spin it
+/// was queued behind, so its device time is unknown) leaves that direction's point at its d out:
+/// the best of the others would not be the best peer.
 fn peer_lines(json: &str) -> Result<Vec<Line>> {
     let records: Vec<serde_json::Value> = serde_json::from_str(json).map_err(|e| e.to_string())?;
     let copy_gbs = records
@@ -165,6 +168,7 @@ fn peer_lines(json: &str) -> Result<Vec<Line>> {
     // The best % of copy at each d, and which peer it is.
     type BestByD<'a> = BTreeMap<u64, (f64, &'a str)>;
     let mut best: BTreeMap<(&str, &str), BestByD> = BTreeMap::new();
+    let mut unknown: Vec<(&str, &str, u64)> = Vec::new();
     for r in &records {
         let op = match r["op"].as_str() {
             Some("rms") => "rms_norm",
@@ -175,6 +179,10 @@ fn peer_lines(json: &str) -> Result<Vec<Line>> {
             continue;
         };
         for direction in ["fwd", "bwd"] {
+            if r[format!("{direction}_host_bound")] == true {
+                unknown.push((op, direction, d));
+                continue;
+            }
             let Some(gbs) = r[format!("{direction}_gbs")].as_f64() else {
                 continue;
             };
@@ -186,8 +194,14 @@ fn peer_lines(json: &str) -> Result<Vec<Line>> {
             }
         }
     }
+    for (op, direction, d) in unknown {
+        if let Some(by_d) = best.get_mut(&(op, direction)) {
+            by_d.remove(&d);
+        }
+    }
     Ok(best
         .into_iter()
+        .filter(|(_, by_d)| !by_d.is_empty())
         .map(|((op, direction), by_d)| {
             let mut winners: Vec<&str> = by_d.values().map(|&(_, peer)| peer).collect();
             winners.sort();
@@ -296,6 +310,12 @@ fn draw_svg(lines: &[Line], copy_gbs: f64, svg: &mut String) -> Result {
             Stroke::Dashed => {
                 let dashes = DashedLineSeries::new(line.points.clone(), 10, 6, style);
                 chart.draw_series(dashes).map_err(draw_error)?;
+                // Open circles where the peers were measured: a peer line may skip a d
+                // (`peer_lines`), and the dashes between two circles are not measurements.
+                for &point in &line.points {
+                    let circle = Circle::new(point, 5, style);
+                    chart.plotting_area().draw(&circle).map_err(draw_error)?;
+                }
             }
         }
     }
@@ -344,4 +364,37 @@ fn draw_legend<DB: DrawingBackend>(
             .map_err(draw_error)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn points(lines: &[Line], op: &str, direction: &str) -> Vec<(f64, f64)> {
+        lines
+            .iter()
+            .find(|l| l.op_direction == (op.into(), direction.into()))
+            .map(|l| l.points.clone())
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn the_best_peer_is_taken_per_d_and_host_bound_points_are_left_out() {
+        let json = r#"[
+            {"impl": "copy", "op": "copy", "gbs": 4000.0},
+            {"impl": "eager", "op": "rms", "d": 128, "fwd_gbs": 800.0, "bwd_gbs": 900.0},
+            {"impl": "compile", "op": "rms", "d": 128, "fwd_gbs": 3600.0, "bwd_gbs": null,
+             "bwd_host_bound": true},
+            {"impl": "eager", "op": "rms", "d": 1024, "fwd_gbs": 2000.0, "bwd_gbs": 1000.0},
+            {"impl": "liger", "op": "rms", "d": 1024, "fwd_gbs": 3000.0, "bwd_gbs": 1200.0}
+        ]"#;
+        let lines = peer_lines(json).unwrap();
+        assert_eq!(
+            points(&lines, "rms_norm", "fwd"),
+            [(128.0, 90.0), (1024.0, 75.0)]
+        );
+        // At d = 128 torch.compile's backward is unknown: eager's 22.5 % is not the best peer.
+        assert_eq!(points(&lines, "rms_norm", "bwd"), [(1024.0, 30.0)]);
+        assert!(points(&lines, "layer_norm", "fwd").is_empty());
+    }
 }
