@@ -217,6 +217,11 @@ pub const fn forward_large_shared(key: NormKey) -> bool {
 /// [`staged`] ones, whose ring grows with the block, and those with dresidual slots (LayerNorm's
 /// widest block tile holds γ there too: 48 KiB and a little more).
 pub const fn backward_large_shared(key: NormKey) -> bool {
+    staged_instance(key) || (!key.residual && plain_adds_dresidual(key.vpt, key.cluster, key.lanes))
+}
+
+/// [`staged`], of an instance's key.
+const fn staged_instance(key: NormKey) -> bool {
     staged(
         matches!(key.norm, Norm::Layer),
         key.vec,
@@ -224,7 +229,7 @@ pub const fn backward_large_shared(key: NormKey) -> bool {
         key.residual,
         key.vpt,
         key.lanes,
-    ) || (!key.residual && plain_adds_dresidual(key.vpt, key.cluster, key.lanes))
+    )
 }
 
 /// LayerNorm's plain 2-pack block tile, the one instance whose natural register allocation
@@ -268,15 +273,7 @@ pub const fn forward_register_budget(key: NormKey) -> u32 {
 
 /// A [`staged`] block tile (not a cluster's).
 const fn staged_block_tile(key: NormKey) -> bool {
-    !key.cluster
-        && staged(
-            matches!(key.norm, Norm::Layer),
-            key.vec,
-            key.cluster,
-            key.residual,
-            key.vpt,
-            key.lanes,
-        )
+    !key.cluster && staged_instance(key)
 }
 
 /// Registers per thread of a backward instance (0: ptxas's choice). The LayerNorm 2-pack tile
