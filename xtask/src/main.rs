@@ -17,6 +17,9 @@
 
 #[cfg(feature = "plot")]
 mod plot;
+// Without `plot` only its tests use it: they run in every `cargo test`.
+#[cfg_attr(not(feature = "plot"), allow(dead_code))]
+mod sweep_lines;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
