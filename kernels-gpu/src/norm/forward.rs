@@ -182,7 +182,7 @@ pub(super) unsafe fn forward_regs<
                 } else {
                     let gamma =
                         unsafe { param::<T, VEC>(p.gamma, elem(k), p.params_f32, p.gamma_offset) };
-                    let beta = if N::CENTERED && p.beta != 0 {
+                    let beta = if has_beta {
                         unsafe { param::<T, VEC>(p.beta, elem(k), p.params_f32, 0.0) }
                     } else {
                         [0.0; 8]
