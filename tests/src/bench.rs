@@ -35,9 +35,9 @@ pub enum Queue {
     Idle,
 }
 
-/// Times `reps` calls of `f` after `warmup` untimed ones, each behind a spin kernel
-/// ([`Queue::BehindSpin`]), or on an idle stream when `NORMKERN_BENCH_IDLE=1` (for comparisons
-/// with old figures): [`Timing`] medians.
+/// Times `reps` calls of `f` after `warmup` untimed ones (and [`WARM_UP`]), each behind a spin
+/// kernel ([`Queue::BehindSpin`]), or on an idle stream when `NORMKERN_BENCH_IDLE=1` (for
+/// comparisons with old figures): [`Timing`] medians.
 pub fn time(
     ctx: &Arc<CudaContext>,
     stream: &Arc<CudaStream>,
@@ -58,8 +58,16 @@ pub fn idle_timing() -> bool {
     std::env::var("NORMKERN_BENCH_IDLE").is_ok_and(|v| v == "1")
 }
 
-/// Times `reps` calls of `f`, each enqueued as `queue` says, after `warmup` untimed ones:
-/// [`Timing`] medians.
+/// The shortest warm-up of every timed op: the GPU kept busy this long before its first timed
+/// call. The first op the bench times at a shape follows the making of its inputs on the CPU,
+/// with the GPU idle; at 524288×128 the same kernel read 78.5–85.6 % of copy over five runs of
+/// one call while the ops after it varied by under 1 point (`bench-results/h200.md`, twentieth
+/// session); 20 warm-up calls of 70 µs are 1.4 ms. (Whether this warm-up removes the spread has
+/// not been measured yet.)
+const WARM_UP: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Times `reps` calls of `f`, each enqueued as `queue` says, after `warmup` untimed ones and at
+/// least [`WARM_UP`] of them: [`Timing`] medians.
 pub fn time_on(
     ctx: &Arc<CudaContext>,
     stream: &Arc<CudaStream>,
@@ -67,9 +75,17 @@ pub fn time_on(
     queue: Queue,
     mut f: impl FnMut(usize),
 ) -> Timing {
-    for i in 0..warmup {
-        f(i);
+    let started = std::time::Instant::now();
+    let mut warmed = 0;
+    while warmed < warmup || started.elapsed() < WARM_UP {
+        f(warmed);
+        warmed += 1;
+        // A short queue, so the time waited is the GPU's work.
+        if warmed % 8 == 0 {
+            stream.synchronize().expect("sync");
+        }
     }
+    let warmup = warmed;
     let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
     let mut device = Vec::with_capacity(reps);
     let spin = (queue == Queue::BehindSpin).then(|| {

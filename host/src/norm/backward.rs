@@ -392,6 +392,7 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
                 // needs them.
                 work: gradients.groups,
                 clusters: true,
+                fewest_accesses: 1,
                 items_per_team: false,
                 params,
             }

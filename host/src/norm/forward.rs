@@ -1,6 +1,8 @@
 //! The norm forward: its arguments, validation and launch plan.
 
-use normkern_gpu::norm::{FORWARD, ForwardParams, Norm, NormKey, forward_prefetches};
+use normkern_gpu::norm::{
+    FORWARD, ForwardParams, Norm, NormKey, forward_fewest_accesses, forward_prefetches,
+};
 
 use super::{RowLaunch, check_config, inv, params_f32, stored_f32, stride_in_elems};
 use crate::error::{Error, Result};
@@ -288,6 +290,7 @@ pub(crate) fn plan(
         // Forward rows are independent: with a row per SM or more, a block per row streaming
         // from L2 outruns a cluster per row.
         clusters: rows < device.sm_count(),
+        fewest_accesses: forward_fewest_accesses(centered, key.residual),
         items_per_team: true,
         params,
     }
@@ -359,6 +362,19 @@ mod tests {
             (layer.kernel.name, layer.block),
             ("layer_norm_fwd_bf16_v2", 256)
         );
+    }
+
+    #[test]
+    fn plain_layer_norm_takes_two_accesses_per_thread_rms_norm_one() {
+        let layer = plan(&call(Norm::Layer, 32768, 2048), &H200)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (layer.kernel.name, layer.block),
+            ("layer_norm_fwd_bf16_v2", 128)
+        );
+        let rms = plan(&call(Norm::Rms, 32768, 2048), &H200).unwrap().unwrap();
+        assert_eq!((rms.kernel.name, rms.block), ("rms_norm_fwd_bf16_v1", 256));
     }
 
     #[test]

@@ -124,6 +124,8 @@ pub(crate) struct RowLaunch<P: 'static> {
     pub work: usize,
     /// Whether a row may be split over the blocks of a cluster.
     pub clusters: bool,
+    /// Register tiles with fewer accesses per thread are passed over.
+    pub fewest_accesses: usize,
     /// How a block of segment teams takes its work: each team its own item (rows: a block
     /// covers `SEGMENT_THREADS / lanes` of them), or the block one item (a group of rows).
     pub items_per_team: bool,
@@ -189,7 +191,10 @@ impl<P: Copy> RowLaunch<P> {
                     {
                         segment = Some((reach, k));
                     }
-                } else if k.key == block_tile && k.key.vpt != STREAM && tiles < register_tiles.len()
+                } else if k.key == block_tile
+                    && k.key.vpt != STREAM
+                    && k.key.vpt >= self.fewest_accesses
+                    && tiles < register_tiles.len()
                 {
                     register_tiles[tiles] = k.key.vpt;
                     tiles += 1;

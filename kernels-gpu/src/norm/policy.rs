@@ -23,6 +23,16 @@ pub const fn forward_prefetches(centered: bool, residual: bool, vpt: usize) -> b
     !residual && (vpt >= 4 || (centered && vpt >= 2))
 }
 
+/// The fewest accesses per thread of a forward register tile. Plain LayerNorm's one-access tile
+/// (the block tile of d = 1025..2048 at 16 bits) is issue-bound: two block reductions, γ and β
+/// and the row's bookkeeping for each thread's one 16-byte access, and no prefetch. Its two-access
+/// tile at half the threads prefetches and spreads that cost over twice the bytes: 2. RMSNorm and
+/// the residual families keep the one-access tile (their two-access tiles measured 0–4 points
+/// lower at 32768×2048; `bench-results/h200.md`, twentieth session).
+pub const fn forward_fewest_accesses(centered: bool, residual: bool) -> usize {
+    if centered && !residual { 2 } else { 1 }
+}
+
 /// Whether a forward register tile keeps γ and β in shared memory: LayerNorm's packed residual
 /// tiles of a block or cluster. Each thread copies its own accesses of them into its own slots
 /// once and reads them back for every row. Their blocks are the widest (1024 threads at

@@ -114,6 +114,15 @@ fn emulator_layer_norm_matches_reference_bf16() {
     emulated::<bf16>(Kind::Layer { bias: true }, &EMULATED_SHAPES[..7]);
 }
 
+/// Plain LayerNorm's forward takes two accesses per thread where RMSNorm's block tile takes one:
+/// strided packed rows of 2048 (128 threads at 16 bits) and single-element rows of 200.
+#[test]
+fn emulator_layer_norm_two_access_forward_tiles_match_reference() {
+    let shapes = [(9, 2048, 2056, 0), (5, 200, 203, 1)];
+    emulated::<bf16>(Kind::Layer { bias: true }, &shapes);
+    emulated::<f32>(Kind::Layer { bias: true }, &shapes);
+}
+
 #[test]
 fn emulator_layer_norm_without_bias_matches_reference() {
     emulated::<bf16>(
@@ -188,7 +197,7 @@ fn emulated_small_batches_split_over_clusters() {
 /// Every d of the acceptance list, each with a row count from its list so every count appears;
 /// small batches of rows split over clusters (groups of one and of four rows); and narrow rows
 /// over many groups of segment teams (QK-norm's 128; 100 by single-element access).
-const GPU_SHAPES: [(usize, usize); 21] = [
+const GPU_SHAPES: [(usize, usize); 22] = [
     (65536, 128),
     (20000, 256),
     (9000, 100),
@@ -201,6 +210,7 @@ const GPU_SHAPES: [(usize, usize); 21] = [
     (1000, 127),
     (64, 1000),
     (16384, 1024),
+    (3000, 2048),
     (1000, 4096),
     (64, 4097),
     (3, 8192),

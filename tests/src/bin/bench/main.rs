@@ -6,13 +6,14 @@
 //! strategy tables; `--activations`: only the activations; `--sweep`: the norms over d = 128 …
 //! 65536 at 64 Mi elements, bf16, RMSNorm also in f32 and f16, 50 reps unless `--reps` says
 //! otherwise; `--csv PATH`: the table as CSV too, for `cargo xtask plot-sweep`, by default
-//! `sweep.csv` with `--sweep`). Times are medians of CUDA event timings after warm-up, each call
-//! enqueued behind a spin kernel so that its events time its device work alone
-//! (`NORMKERN_BENCH_IDLE=1`: on an idle stream, as before 2026-12-02; the `--param-grads` latency
-//! table always times lone calls on an idle stream, launch included); inputs rotate over enough
-//! sets to exceed L2; bytes count the minimal traffic (each input read once, each output written
-//! once). "host µs per call" is the median CPU time of the call itself (validation, launch plan,
-//! enqueueing) over calls issued back to back, as the launch floor's empty launches are.
+//! `sweep.csv` with `--sweep`). Times are medians of CUDA event timings after warm-up (`--warmup`
+//! calls, and at least 200 ms of them), each call enqueued behind a spin kernel so that its
+//! events time its device work alone (`NORMKERN_BENCH_IDLE=1`: on an idle stream, as before
+//! 2026-12-02; the `--param-grads` latency table always times lone calls on an idle stream,
+//! launch included); inputs rotate over enough sets to exceed L2; bytes count the minimal
+//! traffic (each input read once, each output written once). "host µs per call" is the median
+//! CPU time of the call itself (validation, launch plan, enqueueing) over calls issued back to
+//! back, as the launch floor's empty launches are.
 
 mod activation;
 mod norm;
