@@ -26,9 +26,11 @@ pub const fn forward_prefetches(centered: bool, residual: bool, vpt: usize) -> b
 /// The fewest accesses per thread of a forward register tile. Plain LayerNorm's one-access tile
 /// (the block tile of d = 1025..2048 at 16 bits) is issue-bound: two block reductions, γ and β
 /// and the row's bookkeeping for each thread's one 16-byte access, and no prefetch. Its two-access
-/// tile at half the threads prefetches and spreads that cost over twice the bytes: 2. RMSNorm and
-/// the residual families keep the one-access tile (their two-access tiles measured 0–4 points
-/// lower at 32768×2048; `bench-results/h200.md`, twentieth session).
+/// tile at half the threads prefetches and spreads that cost over twice the bytes: 2 (measured
+/// at 16 bits; the same rule moves f32 rows of 513..1024 and single-element rows of 129..256 to
+/// two accesses, not measured). RMSNorm and the residual families keep the one-access tile (their
+/// two-access tiles measured 0–4 points lower at 32768×2048; `bench-results/h200.md`, twentieth
+/// session).
 pub const fn forward_fewest_accesses(centered: bool, residual: bool) -> usize {
     if centered && !residual { 2 } else { 1 }
 }
