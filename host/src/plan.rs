@@ -62,7 +62,7 @@ const PREFERRED_THREADS: usize = 256;
 /// Blocks per cluster the row tiles try, smallest first: each halves the block's share of a row.
 const CLUSTER_SIZES: [usize; 3] = [2, 4, 8];
 /// Most threads per block of a streaming instance: a cluster of such blocks shares a row.
-const STREAM_THREADS: usize = 1024;
+pub(crate) const STREAM_THREADS: usize = 1024;
 
 /// How one row is spread over a block, or over a cluster of `cluster` blocks: `vpt` accesses per
 /// thread (or [`STREAM`]) and the block size.

@@ -10,8 +10,8 @@ use crate::distributed::{Across, launch_backward};
 use crate::error::{Error, Result};
 use crate::executor::{Device, Executor, Launch, optional_input, optional_output};
 use crate::plan::{
-    GradientPlan, GradientsOf, ParamGradients, Partials, check_gradients, gradient_plan,
-    gradient_workspace_len, packs_fit,
+    GradientPlan, GradientsOf, ParamGradients, Partials, STREAM_THREADS, check_gradients,
+    gradient_plan, gradient_workspace_len, packs_fit,
 };
 use crate::tensor::{Buffer, Dtype, Rows, expect_len};
 
@@ -393,6 +393,7 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
                 work: gradients.groups,
                 clusters: true,
                 fewest_accesses: 1,
+                stream_threads: STREAM_THREADS,
                 items_per_team: false,
                 params,
             }

@@ -2,6 +2,7 @@
 
 use normkern_gpu::norm::{
     FORWARD, ForwardParams, Norm, NormKey, forward_fewest_accesses, forward_prefetches,
+    forward_stream_threads,
 };
 
 use super::{RowLaunch, check_config, inv, params_f32, stored_f32, stride_in_elems};
@@ -291,6 +292,7 @@ pub(crate) fn plan(
         // from L2 outruns a cluster per row.
         clusters: rows < device.sm_count(),
         fewest_accesses: forward_fewest_accesses(centered, key.residual),
+        stream_threads: forward_stream_threads(key.residual, d.saturating_mul(bytes)),
         items_per_team: true,
         params,
     }
@@ -387,6 +389,31 @@ mod tests {
             (many.kernel.name, many.cluster),
             ("rms_norm_fwd_bf16_vx", 1)
         );
+    }
+
+    #[test]
+    fn plain_streamed_rows_of_up_to_64_kib_take_two_blocks_per_sm() {
+        let streamed = |call: &Call| {
+            let launch = plan(call, &H200).unwrap().unwrap();
+            (launch.kernel.name, launch.block, launch.cluster)
+        };
+        for norm in [Norm::Rms, Norm::Layer] {
+            let (name, block, cluster) = streamed(&call(norm, 2048, 32768));
+            assert!(name.ends_with("_bf16_vx"), "{name}");
+            assert_eq!((block, cluster), (512, 1));
+            // 128 KiB rows, and the residual forms, keep one block of 1024 threads per SM.
+            assert_eq!(streamed(&call(norm, 1024, 65536)).1, 1024);
+            let mut residual = call(norm, 2048, 32768);
+            residual.key.residual = true;
+            residual.residual = Some([(5 << 20, 32768, false), (6 << 20, 32768, false)]);
+            let (name, block, _) = streamed(&residual);
+            assert!(name.ends_with("_res_bf16_vx"), "{name}");
+            assert_eq!(block, 1024);
+        }
+        // Bytes decide, not elements: f32 rows of 16384 are 64 KiB.
+        let mut f32_rows = call(Norm::Rms, 4096, 16384);
+        f32_rows.key.dtype = KernelDtype::F32;
+        assert_eq!(streamed(&f32_rows), ("rms_norm_fwd_f32_vx", 512, 1));
     }
 
     #[test]

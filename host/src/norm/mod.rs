@@ -126,6 +126,8 @@ pub(crate) struct RowLaunch<P: 'static> {
     pub clusters: bool,
     /// Register tiles with fewer accesses per thread are passed over.
     pub fewest_accesses: usize,
+    /// The most threads of a streaming block.
+    pub stream_threads: usize,
     /// How a block of segment teams takes its work: each team its own item (rows: a block
     /// covers `SEGMENT_THREADS / lanes` of them), or the block one item (a group of rows).
     pub items_per_team: bool,
@@ -209,14 +211,20 @@ impl<P: Copy> RowLaunch<P> {
                 });
             }
             register_tiles[..tiles].sort_unstable();
-            row_tile(
+            let tile = row_tile(
                 self.d,
                 len,
                 &register_tiles[..tiles],
                 max_cluster,
                 |vpt, cluster| kernel(vpt, cluster, 0).map(limit).transpose(),
                 prefetches,
-            )
+            )?;
+            let threads = if tile.vpt == STREAM {
+                tile.threads.min(self.stream_threads)
+            } else {
+                tile.threads
+            };
+            Ok(RowTile { threads, ..tile })
         };
         let question = (self.table as *const _ as usize, base, self.d, max_cluster);
         let RowTile {

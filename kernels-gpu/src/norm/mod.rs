@@ -53,7 +53,7 @@ mod staged;
 mod tile;
 
 pub use params::{BackwardParams, ForwardParams};
-pub use policy::{STREAM, forward_fewest_accesses, forward_prefetches};
+pub use policy::{STREAM, forward_fewest_accesses, forward_prefetches, forward_stream_threads};
 pub use staged::STAGES;
 
 use crate::kernel::Dtype;

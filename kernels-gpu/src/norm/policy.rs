@@ -35,6 +35,20 @@ pub const fn forward_fewest_accesses(centered: bool, residual: bool) -> usize {
     if centered && !residual { 2 } else { 1 }
 }
 
+/// The most threads of a forward streaming block (rows too wide for the register tiles). Plain
+/// rows of up to 64 KiB take 512: two blocks per SM, so one block's reductions and stores overlap
+/// the other's loads, while their rows in flight (two per SM) stay within L2 for the passes that
+/// re-read them. Wider rows overflowed L2 at 512 and the residual forms (two operands per access)
+/// lost: they keep one 1024-thread block per SM. Measured at 16 bits (LayerNorm +8 points at
+/// d = 32768); f32 rows follow by their bytes (`bench-results/h200.md`, twenty-first session).
+pub const fn forward_stream_threads(residual: bool, row_bytes: usize) -> usize {
+    if !residual && row_bytes <= 64 * 1024 {
+        512
+    } else {
+        1024
+    }
+}
+
 /// Whether a forward register tile keeps γ and β in shared memory: LayerNorm's packed residual
 /// tiles of a block or cluster. Each thread copies its own accesses of them into its own slots
 /// once and reads them back for every row. Their blocks are the widest (1024 threads at
