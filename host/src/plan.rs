@@ -61,7 +61,8 @@ const PREFERRED_THREADS: usize = 256;
 
 /// Blocks per cluster the row tiles try, smallest first: each halves the block's share of a row.
 const CLUSTER_SIZES: [usize; 3] = [2, 4, 8];
-/// Most threads per block of a streaming instance: a cluster of such blocks shares a row.
+/// Most threads per block of the backward's streaming instance (the forward's:
+/// `forward_stream_threads`); a cluster of such blocks shares a row.
 pub(crate) const STREAM_THREADS: usize = 1024;
 
 /// How one row is spread over a block, or over a cluster of `cluster` blocks: `vpt` accesses per
@@ -81,14 +82,15 @@ pub struct RowTile {
 /// order: one block of up to [`PREFERRED_THREADS`]; one block of up to the kernel's limit, tiles
 /// that `prefetch` the next row first; the smallest cluster (up to `max_cluster` blocks) whose
 /// blocks need at most [`PREFERRED_THREADS`] (fewest accesses per thread first), then at most the
-/// kernel's limit; else streaming, by a cluster of `max_cluster` blocks. The choice depends on the
-/// shape, the device and the kernels' register counts only, never on the grid, so reductions keep
-/// their order.
+/// kernel's limit; else streaming, in blocks of at most `stream_threads`, by a cluster of
+/// `max_cluster` blocks. The choice depends on the shape, the device and the kernels' register
+/// counts only, never on the grid, so reductions keep their order.
 pub(crate) fn row_tile(
     d: usize,
     len: usize,
     register_tiles: &[usize],
     max_cluster: usize,
+    stream_threads: usize,
     max_threads: impl Fn(usize, bool) -> Result<Option<usize>>,
     prefetches: impl Fn(usize) -> bool,
 ) -> Result<RowTile> {
@@ -140,7 +142,7 @@ pub(crate) fn row_tile(
     // Streaming: over the widest cluster there is, else one block.
     for cluster in [max_cluster.clamp(1, 8), 1] {
         if let Some(max) = max_threads(STREAM, cluster > 1)? {
-            let threads = threads_for(1, cluster).min(max.min(STREAM_THREADS) / 32 * 32);
+            let threads = threads_for(1, cluster).min(max.min(stream_threads) / 32 * 32);
             return Ok(RowTile {
                 vpt: STREAM,
                 threads,
@@ -719,7 +721,16 @@ pub(crate) mod tests {
         prefetches: fn(usize) -> bool,
     ) -> RowTile {
         let max_threads = |vpt, cluster| Ok(Some((65536 / regs(vpt, cluster)).min(1024) / 32 * 32));
-        row_tile(d, len, &[1, 2, 4], max_cluster, max_threads, prefetches).unwrap()
+        row_tile(
+            d,
+            len,
+            &[1, 2, 4],
+            max_cluster,
+            STREAM_THREADS,
+            max_threads,
+            prefetches,
+        )
+        .unwrap()
     }
 
     /// Register counts of the bf16 backward instances (ptxas, sm_90).
@@ -806,10 +817,22 @@ pub(crate) mod tests {
     fn tiles_that_are_not_compiled_are_skipped() {
         // No cluster instances (as for single-element access): the row streams in one block.
         let max_threads = |_vpt, cluster: bool| Ok((!cluster).then_some(1024));
-        let t = row_tile(65536, 8, &[1, 2, 4], 8, max_threads, |_| false).unwrap();
+        let t = row_tile(65536, 8, &[1, 2, 4], 8, STREAM_THREADS, max_threads, |_| {
+            false
+        })
+        .unwrap();
         assert_eq!(t, tile(STREAM, 1024, 1));
         // Only the streaming tile (the residual kernels' single-element access).
-        let t = row_tile(100, 1, &[], 1, |_, _| Ok(Some(1024)), |_| false).unwrap();
+        let t = row_tile(
+            100,
+            1,
+            &[],
+            1,
+            STREAM_THREADS,
+            |_, _| Ok(Some(1024)),
+            |_| false,
+        )
+        .unwrap();
         assert_eq!(t, tile(STREAM, 128, 1));
     }
 }

@@ -329,6 +329,12 @@ mod tests {
         }
     }
 
+    /// The kernel, block and cluster the plan launches for `call` on an H200.
+    fn launched(call: &Call) -> (&'static str, usize, usize) {
+        let launch = plan(call, &H200).unwrap().unwrap();
+        (launch.kernel.name, launch.block, launch.cluster)
+    }
+
     #[test]
     fn narrow_rows_take_the_narrowest_segment_team_that_covers_them() {
         for (d, name, rows_per_block) in [
@@ -368,15 +374,10 @@ mod tests {
 
     #[test]
     fn plain_layer_norm_takes_two_accesses_per_thread_rms_norm_one() {
-        let layer = plan(&call(Norm::Layer, 32768, 2048), &H200)
-            .unwrap()
-            .unwrap();
-        assert_eq!(
-            (layer.kernel.name, layer.block),
-            ("layer_norm_fwd_bf16_v2", 128)
-        );
-        let rms = plan(&call(Norm::Rms, 32768, 2048), &H200).unwrap().unwrap();
-        assert_eq!((rms.kernel.name, rms.block), ("rms_norm_fwd_bf16_v1", 256));
+        let layer = launched(&call(Norm::Layer, 32768, 2048));
+        assert_eq!(layer, ("layer_norm_fwd_bf16_v2", 128, 1));
+        let rms = launched(&call(Norm::Rms, 32768, 2048));
+        assert_eq!(rms, ("rms_norm_fwd_bf16_v1", 256, 1));
     }
 
     #[test]
@@ -393,27 +394,23 @@ mod tests {
 
     #[test]
     fn plain_streamed_rows_of_up_to_64_kib_take_two_blocks_per_sm() {
-        let streamed = |call: &Call| {
-            let launch = plan(call, &H200).unwrap().unwrap();
-            (launch.kernel.name, launch.block, launch.cluster)
-        };
         for norm in [Norm::Rms, Norm::Layer] {
-            let (name, block, cluster) = streamed(&call(norm, 2048, 32768));
+            let (name, block, cluster) = launched(&call(norm, 2048, 32768));
             assert!(name.ends_with("_bf16_vx"), "{name}");
             assert_eq!((block, cluster), (512, 1));
             // 128 KiB rows, and the residual forms, keep one block of 1024 threads per SM.
-            assert_eq!(streamed(&call(norm, 1024, 65536)).1, 1024);
+            assert_eq!(launched(&call(norm, 1024, 65536)).1, 1024);
             let mut residual = call(norm, 2048, 32768);
             residual.key.residual = true;
             residual.residual = Some([(5 << 20, 32768, false), (6 << 20, 32768, false)]);
-            let (name, block, _) = streamed(&residual);
+            let (name, block, _) = launched(&residual);
             assert!(name.ends_with("_res_bf16_vx"), "{name}");
             assert_eq!(block, 1024);
         }
         // Bytes decide, not elements: f32 rows of 16384 are 64 KiB.
         let mut f32_rows = call(Norm::Rms, 4096, 16384);
         f32_rows.key.dtype = KernelDtype::F32;
-        assert_eq!(streamed(&f32_rows), ("rms_norm_fwd_f32_vx", 512, 1));
+        assert_eq!(launched(&f32_rows), ("rms_norm_fwd_f32_vx", 512, 1));
     }
 
     #[test]

@@ -211,20 +211,15 @@ impl<P: Copy> RowLaunch<P> {
                 });
             }
             register_tiles[..tiles].sort_unstable();
-            let tile = row_tile(
+            row_tile(
                 self.d,
                 len,
                 &register_tiles[..tiles],
                 max_cluster,
+                self.stream_threads,
                 |vpt, cluster| kernel(vpt, cluster, 0).map(limit).transpose(),
                 prefetches,
-            )?;
-            let threads = if tile.vpt == STREAM {
-                tile.threads.min(self.stream_threads)
-            } else {
-                tile.threads
-            };
-            Ok(RowTile { threads, ..tile })
+            )
         };
         let question = (self.table as *const _ as usize, base, self.d, max_cluster);
         let RowTile {
