@@ -401,8 +401,7 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
         };
         let mut launch = row_launch(call.key.residual)?;
         let k = launch.kernel.key;
-        if call.dresidual.0 != 0 && !k.residual && !plain_adds_dresidual(k.vpt, k.cluster, k.lanes)
-        {
+        if call.dresidual.0 != 0 && !k.residual && !plain_adds_dresidual(k.vpt, k.lanes) {
             // A dresidual in the activations' dtype where the plain tile would not add it: the
             // `_res` kernels' tile for the row.
             launch = row_launch(true)?;
@@ -620,7 +619,8 @@ pub(crate) mod tests {
             (128, "rms_norm_bwd_bf16_v1l16"),
             (1024, "rms_norm_bwd_res_bf16_v1"),
             (8192, "rms_norm_bwd_bf16_v4"),
-            (16384, "rms_norm_bwd_res_bf16_v4c"),
+            (16384, "rms_norm_bwd_bf16_v4c"),
+            (65536, "rms_norm_bwd_bf16_v4c"),
             (131072, "rms_norm_bwd_res_bf16_vxc"),
         ] {
             let mut c = call(Norm::Rms, 4096, d);
@@ -678,7 +678,8 @@ pub(crate) mod tests {
         assert_eq!(wide.rows.unwrap().grid, 8);
     }
 
-    /// The staged cluster backward (4 rows of x and dy in flight, LayerNorm's γ besides) needs
+    /// The staged cluster backward (4 rows of x and dy in flight, LayerNorm's γ and the dresidual
+    /// slots besides) needs
     /// more than the default 48 KiB: it gets the device's opt-in limit, and a device with less
     /// gets fewer threads per block rather than a failed launch.
     #[test]
@@ -699,7 +700,7 @@ pub(crate) mod tests {
         let within = |k: &Kernel<_, _>, opt_in| {
             threads_within_shared(k.large_shared, k.shared_bytes, opt_in)
         };
-        assert_eq!(within(staged, 227 * 1024), 352);
+        assert_eq!(within(staged, 227 * 1024), 320);
         assert_eq!(within(staged, 99 * 1024), 128);
         // Residual and narrower block instances keep within 48 KiB whatever the device offers.
         for k in [

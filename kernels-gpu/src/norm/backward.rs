@@ -40,7 +40,7 @@ pub unsafe fn backward<
         arch::block_dim()
     };
     let slots = backward_words(N::CENTERED, VEC, VPT, RESIDUAL, CLUSTER, LANES, threads).0;
-    let plain = Plain::backward(p, plain_adds_dresidual(VPT, CLUSTER, LANES), slots);
+    let plain = Plain::backward(p, plain_adds_dresidual(VPT, LANES), slots);
     let area = combine_words(
         gamma_end(N::CENTERED, VPT, LANES, SEGMENT_THREADS),
         VPT,

@@ -121,11 +121,15 @@ pub const fn gamma_in_shared(centered: bool, vpt: usize, lanes: usize) -> bool {
 }
 
 /// Whether a plain backward instance adds a dresidual in the activations' dtype: the packed
-/// segment teams (one access a lane) and the widest block tile, where the `_res` instances hold
-/// the row as f32 without room for the next one. Elsewhere the `_res` instances, which prefetch
-/// dresidual with the row, are as fast or faster, and the plain ones compile none of it.
-pub const fn plain_adds_dresidual(vpt: usize, cluster: bool, lanes: usize) -> bool {
-    (lanes != 0 && vpt == 1) || (lanes == 0 && vpt == 4 && !cluster)
+/// segment teams (one access a lane) and the widest register tiles. Of a block, the `_res`
+/// instances hold the row as f32 without room for the next one; of a cluster, the [`staged`] ring
+/// keeps rows in flight that the `_res` tile (one row in registers at most) does not: with a bf16
+/// stream, RMSNorm 4096×16384 measured 45 → 83 % of copy (`bench-results/h200.md`, twenty-second
+/// session). Narrower cluster tiles would gain registers with it (RMSNorm's 2-access tile, 117 →
+/// 164 at 16 bits) and are not where the stream was slow. Elsewhere the `_res` instances, which
+/// prefetch dresidual with the row, are as fast or faster, and the plain ones compile none of it.
+pub const fn plain_adds_dresidual(vpt: usize, lanes: usize) -> bool {
+    (lanes != 0 && vpt == 1) || (lanes == 0 && vpt == 4)
 }
 
 /// Whether a backward instance stages its rows through shared memory
@@ -203,7 +207,7 @@ pub(super) const fn backward_words(
     } else {
         end
     };
-    if !residual && plain_adds_dresidual(vpt, cluster, lanes) {
+    if !residual && plain_adds_dresidual(vpt, lanes) {
         let slots = words.next_multiple_of(4);
         (slots, slots + vpt * threads * 4)
     } else {
@@ -243,7 +247,7 @@ pub const fn forward_large_shared(key: NormKey) -> bool {
 /// [`staged`] ones, whose ring grows with the block, and those with dresidual slots (LayerNorm's
 /// widest block tile holds γ there too: 48 KiB and a little more).
 pub const fn backward_large_shared(key: NormKey) -> bool {
-    staged_instance(key) || (!key.residual && plain_adds_dresidual(key.vpt, key.cluster, key.lanes))
+    staged_instance(key) || (!key.residual && plain_adds_dresidual(key.vpt, key.lanes))
 }
 
 /// [`staged`], of an instance's key.

@@ -6,7 +6,7 @@ use super::Normalization;
 use super::backward::load_stats;
 use super::params::BackwardParams;
 use super::policy::gamma_end;
-use super::rows::Plain;
+use super::rows::{Plain, RowSource};
 use super::tile::BackwardTile;
 use crate::arch;
 use crate::element::{Access, Element, Pack, row_addr};
@@ -62,7 +62,8 @@ impl TeamRows {
 }
 
 /// Rows in flight per block of a `staged` backward. Each holds the block's share of x and dy
-/// (at 4 packs × 256 threads, 32 KiB); four keep three rows loading while one is worked on.
+/// (at 4 packs × 256 threads, 32 KiB); four keep three rows loading while one is worked on (two
+/// where a dresidual is added: its pass 2 reads the row's stage again).
 pub const STAGES: usize = 4;
 
 /// The end of a [`StagedRows`] ring that follows `start` words: the stages, 128-byte aligned
@@ -181,9 +182,23 @@ impl<T: Element, const VPT: usize> StagedRows<T, VPT> {
         i: usize,
         elem: impl Fn(usize) -> usize,
     ) -> ([Pack; VPT], [Pack; VPT]) {
-        let shared = arch::shared_f32();
         let stage = i % STAGES;
-        unsafe { shared.mbarrier_wait(self.barriers + 2 * stage, (i / STAGES % 2) as u32) };
+        let phase = (i / STAGES % 2) as u32;
+        unsafe { arch::shared_f32().mbarrier_wait(self.barriers + 2 * stage, phase) };
+        unsafe { self.read(stage, elem) }
+    }
+
+    /// Reads this thread's accesses of the row in `stage`, without waiting.
+    ///
+    /// # Safety
+    /// The stage's row was [`Self::take`]n and the stage not filled since.
+    #[inline(always)]
+    pub(super) unsafe fn read(
+        &self,
+        stage: usize,
+        elem: impl Fn(usize) -> usize,
+    ) -> ([Pack; VPT], [Pack; VPT]) {
+        let shared = arch::shared_f32();
         let own = arch::thread_idx() * 4;
         let mut x: [Pack; VPT] = [[0; 4]; VPT];
         let mut dy: [Pack; VPT] = [[0; 4]; VPT];
@@ -216,6 +231,38 @@ pub(super) unsafe fn backward_staged<
     };
     let mut reducer = unsafe { RowReducer::new(team) };
     let tile = unsafe { BackwardTile::<T, VEC, VPT, N, Plain>::new(p, src, team) };
+    // Two copies of the row loop: a call that adds a dresidual (a launch constant) takes the
+    // one that reads each row twice.
+    unsafe {
+        if <Plain as RowSource<T, VEC>>::has_extra(&src) {
+            staged_rows::<T, VEC, VPT, N, true>(p, &ring, &mut reducer, &tile, team)
+        } else {
+            staged_rows::<T, VEC, VPT, N, false>(p, &ring, &mut reducer, &tile, team)
+        }
+    }
+}
+
+/// The rows of a [`backward_staged`] team. With `REREAD` (a dresidual to add), pass 2 reads its row
+/// from the stage again rather than holding x and dy across the reductions, where the dresidual
+/// slots and their sums need the registers (the widest tiles spilled). The stage then lives until
+/// pass 2 is done: the next pass 1's block barrier frees it, one row later than without.
+///
+/// # Safety
+/// As for [`backward_staged`], which made `ring`, `reducer` and `tile`.
+#[inline(always)]
+unsafe fn staged_rows<
+    T: Element,
+    const VEC: bool,
+    const VPT: usize,
+    N: Normalization,
+    const REREAD: bool,
+>(
+    p: &BackwardParams,
+    ring: &StagedRows<T, VPT>,
+    reducer: &mut RowReducer,
+    tile: &BackwardTile<T, VEC, VPT, N, Plain>,
+    team: Team,
+) {
     let (per_group, rows) = (p.rows_per_group as usize, p.rows as usize);
     let group_rows = |group: usize| {
         let first = group * per_group;
@@ -225,7 +272,7 @@ pub(super) unsafe fn backward_staged<
     let mut group = team.first;
     let (first, end) = group_rows(group);
     // The team's first `STAGES` rows, however few groups they span; `fill` then stays `STAGES`
-    // rows ahead of the row being worked on.
+    // rows ahead of the row being worked on (`STAGES` − 1 with `REREAD`).
     let mut fill = TeamRows::new(group, per_group, team.stride, rows);
     for i in 0..STAGES {
         if filler && let Some(row) = fill.get() {
@@ -254,14 +301,31 @@ pub(super) unsafe fn backward_staged<
             let (x, dy) = unsafe { ring.take(i, |k| tile.elem(k)) };
             let this = (x, dy, [[0; 4]; VPT], stats);
             unsafe {
-                let pass1 = tile.pass1(&mut reducer, row, &this);
+                let pass1 = tile.pass1(reducer, row, &this);
                 // Pass 1 ended in a block barrier (its reduction), after every thread had read
-                // this row's stage: the stage can take the row `STAGES` ahead.
-                if filler && let Some(next) = fill.get() {
-                    ring.fill(p, i + STAGES, next);
+                // this row's stage and finished the previous row: with `REREAD` the previous
+                // row's stage, otherwise this one, can take the row `STAGES` after it.
+                if !REREAD || i > 0 {
+                    if filler && let Some(next) = fill.get() {
+                        ring.fill(p, i + STAGES - REREAD as usize, next);
+                    }
+                    fill.advance();
                 }
-                fill.advance();
-                tile.pass2(&mut reducer, row, &this, pass1, &mut dgamma, &mut dbeta);
+                if REREAD {
+                    let (x, dy) = ring.read(i % STAGES, |k| tile.elem(k));
+                    let (_, stats, sums) = pass1;
+                    let this = (x, dy, [[0; 4]; VPT], stats);
+                    tile.pass2(
+                        reducer,
+                        row,
+                        &this,
+                        (x, stats, sums),
+                        &mut dgamma,
+                        &mut dbeta,
+                    );
+                } else {
+                    tile.pass2(reducer, row, &this, pass1, &mut dgamma, &mut dbeta);
+                }
             }
             i += 1;
         }

@@ -2,8 +2,8 @@
 //! backward takes residual_out as x and adds dresidual into dx.
 
 use half::{bf16, f16};
-use normkern::{Buffer, Error, NormBackward, NormForward, Rows, layer_norm, rms_norm};
-use normkern_tests::backend::{Backend, Device};
+use normkern::{Buffer, Emulator, Error, NormBackward, NormForward, Rows, layer_norm, rms_norm};
+use normkern_tests::backend::{Backend, Device, Host};
 use normkern_tests::{Rng, TestDtype, assert_close, assert_close_each, rms, same_bits, to_f64};
 
 use crate::case::{EPS, KINDS, Kind, Layout, emulator, reference};
@@ -320,6 +320,31 @@ fn emulator_residual_stream_in_f32() {
         &emulator(),
         &[(LAYER, PACKED, false), (LAYER, PACKED_BLOCK, false)],
     );
+}
+
+/// Rows split over clusters (blocks of at most 64 threads force them at d = 4096). A dresidual in
+/// the activations' dtype takes the plain cluster tiles, whose staged rows are read again for
+/// pass 2 while dresidual arrives in its slots; an f32 stream takes the `_res` cluster tiles, and
+/// with clusters of 2, rows too wide for them the `_res` streaming instance.
+#[test]
+fn emulator_residual_on_cluster_tiles() {
+    let shape = (20, 4096, [4096, 4104, 4112, 4120]);
+    let cases = [
+        (Kind::Rms, shape, false),
+        (LAYER, shape, false),
+        (Kind::Layer { bias: false }, shape, true),
+    ];
+    let clustered = |blocks| {
+        Host(
+            Emulator::new()
+                .with_block_limit(64)
+                .and_then(|e| e.with_clusters(blocks))
+                .unwrap(),
+        )
+    };
+    residual_matches_reference::<bf16, bf16, bf16, _>(&clustered(2), &cases);
+    residual_matches_reference::<f32, f32, f32, _>(&clustered(4), &cases);
+    residual_matches_reference::<f32, f32, f32, _>(&clustered(2), &cases);
 }
 
 #[test]
