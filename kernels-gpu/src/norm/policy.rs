@@ -124,7 +124,7 @@ pub const fn gamma_in_shared(centered: bool, vpt: usize, lanes: usize) -> bool {
 /// segment teams (one access a lane) and the widest register tiles. Of a block, the `_res`
 /// instances hold the row as f32 without room for the next one; of a cluster, the [`staged`] ring
 /// keeps rows in flight that the `_res` tile (one row in registers at most) does not: with a bf16
-/// stream, RMSNorm 4096×16384 measured 45 → 83 % of copy (`bench-results/h200.md`, twenty-second
+/// stream, RMSNorm 4096×16384 measured 46 → 83 % of copy (`bench-results/h200.md`, twenty-third
 /// session). Narrower cluster tiles would gain registers with it (RMSNorm's 2-access tile, 117 →
 /// 164 at 16 bits) and are not where the stream was slow. Elsewhere the `_res` instances, which
 /// prefetch dresidual with the row, are as fast or faster, and the plain ones compile none of it.

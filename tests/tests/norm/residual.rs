@@ -383,9 +383,10 @@ fn emulator_residual_normalizes_what_it_stores() {
 // ---------------------------------------------------------------------------------------------
 // The GPU.
 
-/// Segment teams, the 4096-wide register tile, the widest block tile (these two plain with a
-/// dresidual in the activations' dtype), a cluster tile, rows too wide for registers, and
-/// unaligned rows.
+/// Segment teams, the 4096-wide register tile, the widest block tile, cluster tiles (of 2 and 8
+/// blocks at 16 bits; with a dresidual in the activations' dtype, segment teams, the widest block
+/// tile and the cluster tiles are the plain ones, the clusters' rows staged), rows too wide for
+/// registers, and unaligned rows.
 const GPU_RESIDUAL_SHAPES: [ResidualShape; 6] = [
     (30000, 128, [128, 136, 144, 128]),
     (4096, 4096, [4096, 4096, 4096, 4096]),
