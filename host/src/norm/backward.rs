@@ -679,9 +679,8 @@ pub(crate) mod tests {
     }
 
     /// The staged cluster backward (4 rows of x and dy in flight, LayerNorm's γ and the dresidual
-    /// slots besides) needs
-    /// more than the default 48 KiB: it gets the device's opt-in limit, and a device with less
-    /// gets fewer threads per block rather than a failed launch.
+    /// slots besides) needs more than the default 48 KiB: it gets the device's opt-in limit, and
+    /// a device with less gets fewer threads per block rather than a failed launch.
     #[test]
     fn staged_blocks_fit_the_opt_in_shared_memory() {
         use crate::plan::threads_within_shared;

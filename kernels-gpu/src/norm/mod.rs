@@ -21,9 +21,10 @@
 //! rows are in the activations' dtype or f32 (a runtime flag, like the parameters'), so one
 //! kernel covers both. A backward whose residual stream is in the activations' dtype takes the
 //! plain segment teams and widest register tiles (of a block or a cluster) where the `_res` ones
-//! lack the registers to keep a row in flight (`policy::plain_adds_dresidual`: x held packed, or
-//! staged, dresidual copied into shared memory while the row is reduced). The other plain instances contain none of it: where the row
-//! comes from is a type parameter of the bodies (`rows`).
+//! lack the registers to keep a row in flight (`policy::plain_adds_dresidual`: x held packed or
+//! staged, dresidual copied into shared memory while the row is reduced). The other plain
+//! instances contain none of it: where the row comes from is a type parameter of the bodies
+//! (`rows`).
 //!
 //! Rows that a warp reaches are taken by segment teams ([`segments`], the `LANES` instances):
 //! 8 to 32 lanes per row, several rows per warp, shuffles instead of block barriers. Otherwise

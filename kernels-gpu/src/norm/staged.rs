@@ -63,7 +63,8 @@ impl TeamRows {
 
 /// Rows in flight per block of a `staged` backward. Each holds the block's share of x and dy
 /// (at 4 packs × 256 threads, 32 KiB); four keep three rows loading while one is worked on (two
-/// where a dresidual is added: its pass 2 reads the row's stage again).
+/// during pass 1 where a dresidual is added: pass 2 reads the row's stage again, so the stage
+/// before it is the one refilled).
 pub const STAGES: usize = 4;
 
 /// The end of a [`StagedRows`] ring that follows `start` words: the stages, 128-byte aligned

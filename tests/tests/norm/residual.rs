@@ -324,8 +324,9 @@ fn emulator_residual_stream_in_f32() {
 
 /// Rows split over clusters (blocks of at most 64 threads force them at d = 4096). A dresidual in
 /// the activations' dtype takes the plain cluster tiles, whose staged rows are read again for
-/// pass 2 while dresidual arrives in its slots; an f32 stream takes the `_res` cluster tiles, and
-/// with clusters of 2, rows too wide for them the `_res` streaming instance.
+/// pass 2 while dresidual arrives in its slots (bf16 on clusters of 2, f32 on clusters of 4); f32
+/// rows on clusters of 2 are too wide for them and take the `_res` streaming instance, and an f32
+/// stream next to bf16 activations the `_res` cluster tiles.
 #[test]
 fn emulator_residual_on_cluster_tiles() {
     let shape = (20, 4096, [4096, 4104, 4112, 4120]);
@@ -345,6 +346,7 @@ fn emulator_residual_on_cluster_tiles() {
     residual_matches_reference::<bf16, bf16, bf16, _>(&clustered(2), &cases);
     residual_matches_reference::<f32, f32, f32, _>(&clustered(4), &cases);
     residual_matches_reference::<f32, f32, f32, _>(&clustered(2), &cases);
+    residual_matches_reference::<bf16, f32, f32, _>(&clustered(2), &cases);
 }
 
 #[test]
