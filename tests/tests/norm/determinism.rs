@@ -22,33 +22,53 @@ pub fn check_bitwise_stable<T: TestDtype, B: Backend>(
     let first = case.run(backend);
     case.check(&first, what);
     let what = format!("{what} {}", case.describe());
-    for run in 1..=repeats {
-        assert!(
-            case.run(backend) == first,
-            "{what}: run {run} differs bitwise from run 0"
-        );
-    }
     for (blocks, limited) in grids {
         let out = case.run(limited);
         assert!(
             same_bits(&out.dweight, &first.dweight),
             "{what}: dweight changed on a grid of {blocks} blocks"
         );
+    }
+    assert_same_bits_again(&first, |b| case.run(b), backend, repeats, grids, &what);
+}
+
+/// `repeats` more runs of `run` on `backend`, and one on each of `grids`, give `first`'s bits
+/// (outputs compare bitwise, padding included).
+pub fn assert_same_bits_again<O: PartialEq, B: Backend>(
+    first: &O,
+    run: impl Fn(&B) -> O,
+    backend: &B,
+    repeats: usize,
+    grids: &[(usize, B)],
+    what: &str,
+) {
+    for repeat in 1..=repeats {
         assert!(
-            out == first,
+            run(backend) == *first,
+            "{what}: run {repeat} differs bitwise from run 0"
+        );
+    }
+    for (blocks, limited) in grids {
+        assert!(
+            run(limited) == *first,
             "{what}: outputs changed on a grid of {blocks} blocks"
         );
     }
 }
 
-#[test]
-fn gpu_backward_is_bitwise_repeatable_and_grid_invariant() {
-    let Some(gpu) = Device::shared() else { return };
-    let contexts = [3, 7].map(|blocks| {
+/// Contexts on `gpu`'s device whose persistent grids are capped at 3 and 7 blocks.
+pub fn capped_grid_contexts(gpu: &Device) -> [(usize, Context); 2] {
+    [3, 7].map(|blocks| {
         let cuda = gpu.exec().context().cuda().clone();
         let ctx = Context::from_cuda(cuda).unwrap();
         (blocks, ctx.with_grid_limit(blocks).unwrap())
-    });
+    })
+}
+
+#[test]
+fn gpu_backward_is_bitwise_repeatable_and_grid_invariant() {
+    let Some(gpu) = Device::shared() else { return };
+    let contexts = capped_grid_contexts(&gpu);
     let grids: Vec<_> = contexts
         .iter()
         .map(|(blocks, ctx)| (*blocks, Device::new(ctx, gpu.stream())))

@@ -7,6 +7,7 @@ use normkern_tests::backend::{Backend, Device, Host};
 use normkern_tests::{Rng, TestDtype, assert_close, assert_close_each, rms, same_bits, to_f64};
 
 use crate::case::{EPS, KINDS, Kind, Layout, emulator, reference};
+use crate::determinism::{assert_same_bits_again, capped_grid_contexts};
 
 /// `(rows, d, strides)`, the strides of x/y/dy/dx, residual, residual_out and dresidual.
 type ResidualShape = (usize, usize, [usize; 4]);
@@ -41,6 +42,19 @@ struct ResidualOutputs<T, H> {
     dx: Vec<T>,
     dweight: Vec<T>,
     dbias: Vec<T>,
+}
+
+impl<T: TestDtype, H: TestDtype> PartialEq for ResidualOutputs<T, H> {
+    /// Bitwise, padding included.
+    fn eq(&self, other: &Self) -> bool {
+        same_bits(&self.y, &other.y)
+            && same_bits(&self.h, &other.h)
+            && same_bits(&self.mean, &other.mean)
+            && same_bits(&self.rstd, &other.rstd)
+            && same_bits(&self.dx, &other.dx)
+            && same_bits(&self.dweight, &other.dweight)
+            && same_bits(&self.dbias, &other.dbias)
+    }
 }
 
 impl<T: TestDtype, R: TestDtype, H: TestDtype> ResidualCase<T, R, H> {
@@ -335,18 +349,25 @@ fn emulator_residual_on_cluster_tiles() {
         (LAYER, shape, false),
         (Kind::Layer { bias: false }, shape, true),
     ];
-    let clustered = |blocks| {
-        Host(
-            Emulator::new()
-                .with_block_limit(64)
-                .and_then(|e| e.with_clusters(blocks))
-                .unwrap(),
-        )
+    // Clusters of up to `blocks`, on persistent grids of at most `grid` blocks.
+    let clustered = |blocks, grid| {
+        let emulator = Emulator::new().with_block_limit(64);
+        let emulator = emulator.and_then(|e| e.with_clusters(blocks));
+        Host(emulator.and_then(|e| e.with_grid_limit(grid)).unwrap())
     };
-    residual_matches_reference::<bf16, bf16, bf16, _>(&clustered(2), &cases);
-    residual_matches_reference::<f32, f32, f32, _>(&clustered(4), &cases);
-    residual_matches_reference::<f32, f32, f32, _>(&clustered(2), &cases);
-    residual_matches_reference::<bf16, f32, f32, _>(&clustered(2), &cases);
+    residual_matches_reference::<bf16, bf16, bf16, _>(&clustered(2, 4), &cases);
+    residual_matches_reference::<f32, f32, f32, _>(&clustered(4, 4), &cases);
+    residual_matches_reference::<f32, f32, f32, _>(&clustered(2, 4), &cases);
+    residual_matches_reference::<bf16, f32, f32, _>(&clustered(2, 4), &cases);
+    // The same bits again, and on grids of one cluster and of three.
+    let mut rng = Rng::fresh("emulator_residual_on_cluster_tiles_bits");
+    let grids = [(2, clustered(2, 2)), (6, clustered(2, 6))];
+    for (kind, shape, recompute) in cases {
+        let case = ResidualCase::<bf16, bf16, bf16>::new(kind, &mut rng, shape, recompute);
+        let first = case.run(&clustered(2, 4));
+        let what = format!("emulator residual on clusters, {kind:?}");
+        assert_same_bits_again(&first, |b| case.run(b), &clustered(2, 4), 1, &grids, &what);
+    }
 }
 
 #[test]
@@ -409,6 +430,29 @@ fn on_gpu<T: TestDtype, R: TestDtype, H: TestDtype>() {
         })
         .collect();
     residual_matches_reference::<T, R, H, _>(&gpu, &cases);
+}
+
+/// The same bits on repeats and on grids capped at 3 and 7 blocks, with a bf16 stream: the plain
+/// segment teams, widest block tile and cluster tiles (2 and 8 blocks) that add dresidual.
+#[test]
+fn gpu_residual_is_bitwise_repeatable_and_grid_invariant() {
+    let Some(gpu) = Device::shared() else { return };
+    let contexts = capped_grid_contexts(&gpu);
+    let grids: Vec<_> = contexts
+        .iter()
+        .map(|(blocks, ctx)| (*blocks, Device::new(ctx, gpu.stream())))
+        .collect();
+    let mut rng = Rng::fresh("gpu_residual_determinism");
+    for kind in KINDS {
+        let recompute = kind == Kind::Layer { bias: false };
+        for shape in [0, 2, 3, 4].map(|i| GPU_RESIDUAL_SHAPES[i]) {
+            let case = ResidualCase::<bf16, bf16, bf16>::new(kind, &mut rng, shape, recompute);
+            let first = case.run(&gpu);
+            case.check(&first, "gpu residual determinism");
+            let what = format!("gpu residual determinism {kind:?} {}×{}", shape.0, shape.1);
+            assert_same_bits_again(&first, |b| case.run(b), &gpu, 2, &grids, &what);
+        }
+    }
 }
 
 #[test]
