@@ -15,8 +15,9 @@ use crate::reduce::{RowReducer, Team};
 /// A team's rows in order, one at a time: the rows of its groups `first, first + stride, …` of
 /// `per_group` rows each (but the last of all, which ends at `rows`). Groups may be shorter than
 /// the ring is deep (small batches have groups of one row): the ring's filler walks the team's
-/// rows with one of these, [`STAGES`] rows ahead of the rows being worked on. Additions only,
-/// no division: the widest tiles have no registers to spare.
+/// rows with one of these, [`STAGES`] rows ahead of the rows being worked on (one fewer where
+/// pass 2 reads its row again, [`staged_rows`]). Additions only, no division: the widest tiles
+/// have no registers to spare.
 #[derive(Clone, Copy)]
 pub(super) struct TeamRows {
     row: usize,

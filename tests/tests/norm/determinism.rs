@@ -22,14 +22,18 @@ pub fn check_bitwise_stable<T: TestDtype, B: Backend>(
     let first = case.run(backend);
     case.check(&first, what);
     let what = format!("{what} {}", case.describe());
+    assert_same_bits_again(&first, |b| case.run(b), backend, repeats, &[], &what);
     for (blocks, limited) in grids {
         let out = case.run(limited);
         assert!(
             same_bits(&out.dweight, &first.dweight),
             "{what}: dweight changed on a grid of {blocks} blocks"
         );
+        assert!(
+            out == first,
+            "{what}: outputs changed on a grid of {blocks} blocks"
+        );
     }
-    assert_same_bits_again(&first, |b| case.run(b), backend, repeats, grids, &what);
 }
 
 /// `repeats` more runs of `run` on `backend`, and one on each of `grids`, give `first`'s bits
