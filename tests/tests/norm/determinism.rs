@@ -69,14 +69,22 @@ pub fn capped_grid_contexts(gpu: &Device) -> [(usize, Context); 2] {
     })
 }
 
+/// `gpu`'s stream on each of `contexts` ([`capped_grid_contexts`]), with its grid cap.
+pub fn on_capped_grids<'a>(
+    gpu: &Device<'a>,
+    contexts: &'a [(usize, Context)],
+) -> Vec<(usize, Device<'a>)> {
+    contexts
+        .iter()
+        .map(|(blocks, ctx)| (*blocks, Device::new(ctx, gpu.stream())))
+        .collect()
+}
+
 #[test]
 fn gpu_backward_is_bitwise_repeatable_and_grid_invariant() {
     let Some(gpu) = Device::shared() else { return };
     let contexts = capped_grid_contexts(&gpu);
-    let grids: Vec<_> = contexts
-        .iter()
-        .map(|(blocks, ctx)| (*blocks, Device::new(ctx, gpu.stream())))
-        .collect();
+    let grids = on_capped_grids(&gpu, &contexts);
     let mut rng = Rng::fresh("gpu_determinism");
     for kind in KINDS {
         // Block tiles, single-element access, clusters, and segment teams (a block per group

@@ -7,7 +7,7 @@ use normkern_tests::backend::{Backend, Device, Host};
 use normkern_tests::{Rng, TestDtype, assert_close, assert_close_each, rms, same_bits, to_f64};
 
 use crate::case::{EPS, KINDS, Kind, Layout, emulator, reference};
-use crate::determinism::{assert_same_bits_again, capped_grid_contexts};
+use crate::determinism::{assert_same_bits_again, capped_grid_contexts, on_capped_grids};
 
 /// `(rows, d, strides)`, the strides of x/y/dy/dx, residual, residual_out and dresidual.
 type ResidualShape = (usize, usize, [usize; 4]);
@@ -438,10 +438,7 @@ fn on_gpu<T: TestDtype, R: TestDtype, H: TestDtype>() {
 fn gpu_residual_is_bitwise_repeatable_and_grid_invariant() {
     let Some(gpu) = Device::shared() else { return };
     let contexts = capped_grid_contexts(&gpu);
-    let grids: Vec<_> = contexts
-        .iter()
-        .map(|(blocks, ctx)| (*blocks, Device::new(ctx, gpu.stream())))
-        .collect();
+    let grids = on_capped_grids(&gpu, &contexts);
     let mut rng = Rng::fresh("gpu_residual_determinism");
     for kind in KINDS {
         let recompute = kind == Kind::Layer { bias: false };
