@@ -60,7 +60,7 @@ fn balanced_teams(work: usize, most: usize) -> usize {
 const PREFERRED_THREADS: usize = 256;
 
 /// Blocks per cluster the row tiles try, smallest first: each halves the block's share of a row.
-const CLUSTER_SIZES: [usize; 3] = [2, 4, 8];
+pub(crate) const CLUSTER_SIZES: &[usize] = &[2, 4, 8];
 /// Most threads per block of the backward's streaming instance (the forward's:
 /// `forward_stream_threads`); a cluster of such blocks shares a row.
 pub(crate) const STREAM_THREADS: usize = 1024;
@@ -80,7 +80,8 @@ pub struct RowTile {
 /// tiles `register_tiles` (ascending) and the streaming one. `max_threads(vpt, cluster)` is the
 /// most threads a block of that kernel may have, or `None` when no such kernel is compiled. In
 /// order: one block of up to [`PREFERRED_THREADS`]; one block of up to the kernel's limit, tiles
-/// that `prefetch` the next row first; the smallest cluster (up to `max_cluster` blocks) whose
+/// that `prefetch` the next row first; the smallest cluster of `cluster_sizes` (ascending, up to
+/// `max_cluster` blocks) whose
 /// blocks need at most [`PREFERRED_THREADS`] (fewest accesses per thread first), then at most the
 /// kernel's limit; else streaming, in blocks of at most `stream_threads`, by a cluster of
 /// `max_cluster` blocks. The choice depends on the shape, the device and the kernels' register
@@ -89,7 +90,7 @@ pub(crate) fn row_tile(
     d: usize,
     len: usize,
     register_tiles: &[usize],
-    max_cluster: usize,
+    (cluster_sizes, max_cluster): (&[usize], usize),
     stream_threads: usize,
     max_threads: impl Fn(usize, bool) -> Result<Option<usize>>,
     prefetches: impl Fn(usize) -> bool,
@@ -101,7 +102,7 @@ pub(crate) fn row_tile(
             .next_multiple_of(32)
             .max(32)
     };
-    let clusters = CLUSTER_SIZES.into_iter().filter(|&c| c <= max_cluster);
+    let clusters = cluster_sizes.iter().copied().filter(|&c| c <= max_cluster);
     // (vpt, cluster, within the preferred size), in order of preference.
     // Past the preferred size a block fills the SM alone: the tiles that keep the next row in
     // flight first (a block that waits for its row with nothing else to do idles the SM).
@@ -209,10 +210,10 @@ impl<K: Eq + std::hash::Hash, V: Copy> Memo<K, V> {
     }
 }
 
-/// Row tiles chosen so far, by (table address, kernel key with the tile fields unset, d, most
-/// blocks per cluster): the choice depends on nothing else, so a device keeps it and later calls
+/// Row tiles chosen so far, by (table address, kernel key with the tile fields unset, d, the
+/// cluster sizes tried (their list's address) and most blocks per cluster): the choice depends on nothing else, so a device keeps it and later calls
 /// skip the search.
-pub type TileMemo = Memo<(usize, normkern_gpu::norm::NormKey, usize, usize), RowTile>;
+pub type TileMemo = Memo<(usize, normkern_gpu::norm::NormKey, usize, (usize, usize)), RowTile>;
 
 /// Whether 16-byte packs of `16 / elem_bytes` elements can serve every operand: each base address
 /// 16-byte aligned, every stride and `d` a multiple of the pack. An absent operand may be passed
@@ -725,7 +726,7 @@ pub(crate) mod tests {
             d,
             len,
             &[1, 2, 4],
-            max_cluster,
+            (CLUSTER_SIZES, max_cluster),
             STREAM_THREADS,
             max_threads,
             prefetches,
@@ -817,9 +818,15 @@ pub(crate) mod tests {
     fn tiles_that_are_not_compiled_are_skipped() {
         // No cluster instances (as for single-element access): the row streams in one block.
         let max_threads = |_vpt, cluster: bool| Ok((!cluster).then_some(1024));
-        let t = row_tile(65536, 8, &[1, 2, 4], 8, STREAM_THREADS, max_threads, |_| {
-            false
-        })
+        let t = row_tile(
+            65536,
+            8,
+            &[1, 2, 4],
+            (CLUSTER_SIZES, 8),
+            STREAM_THREADS,
+            max_threads,
+            |_| false,
+        )
         .unwrap();
         assert_eq!(t, tile(STREAM, 1024, 1));
         // Only the streaming tile (the residual kernels' single-element access).
@@ -827,7 +834,7 @@ pub(crate) mod tests {
             100,
             1,
             &[],
-            1,
+            (CLUSTER_SIZES, 1),
             STREAM_THREADS,
             |_, _| Ok(Some(1024)),
             |_| false,

@@ -10,8 +10,8 @@ use crate::distributed::{Across, launch_backward};
 use crate::error::{Error, Result};
 use crate::executor::{Device, Executor, Launch, optional_input, optional_output};
 use crate::plan::{
-    GradientPlan, GradientsOf, ParamGradients, Partials, STREAM_THREADS, check_gradients,
-    gradient_plan, gradient_workspace_len, packs_fit,
+    CLUSTER_SIZES, GradientPlan, GradientsOf, ParamGradients, Partials, STREAM_THREADS,
+    check_gradients, gradient_plan, gradient_workspace_len, packs_fit,
 };
 use crate::tensor::{Buffer, Dtype, Rows, expect_len};
 
@@ -308,6 +308,20 @@ pub(crate) fn run_across<E: Executor, T: Dtype, H: Dtype, W: Dtype, G: Dtype>(
     launch_backward(exec, plan.rows.as_ref(), &plan.gradients, across)
 }
 
+/// The cluster sizes a backward's row may be split over. RMSNorm's plain backward skips clusters
+/// of four: at 2048×32768 (bf16) its 4-access tile over 4 blocks read 66 % of copy where the
+/// 2-access tile over 8 blocks read 75 (and the 4-access over 8, 67); rows that take clusters of 2
+/// or 8 measured best there (`bench-results/h200.md`, twenty-fourth session). LayerNorm's 2-access
+/// cluster tile measured lower (48 against 53), and the calls that add a dresidual need the widest
+/// tile (`plain_adds_dresidual`): both keep every size.
+fn backward_cluster_sizes(norm: Norm, adds_residual: bool) -> &'static [usize] {
+    if norm == Norm::Rms && !adds_residual {
+        &[2, 8]
+    } else {
+        CLUSTER_SIZES
+    }
+}
+
 /// The launches of a backward: the dx + partials kernel (none for no rows), then the
 /// fixed-order column sums of dγ and dβ.
 pub(crate) struct Plan {
@@ -378,7 +392,7 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
             dresidual_stride: call.dresidual.1 as u64,
             sums: gradients.group_sums,
         };
-        let row_launch = |residual: bool| {
+        let row_launch = |residual: bool, cluster_sizes| {
             RowLaunch {
                 table: &BACKWARD,
                 key: NormKey {
@@ -391,7 +405,7 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
                 // and its streaming instance re-reads the partial rows: clusters whenever a row
                 // needs them.
                 work: gradients.groups,
-                clusters: true,
+                cluster_sizes,
                 fewest_accesses: 1,
                 stream_threads: STREAM_THREADS,
                 items_per_team: false,
@@ -399,12 +413,14 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
             }
             .plan(device, |_| false)
         };
-        let mut launch = row_launch(call.key.residual)?;
+        let sizes =
+            backward_cluster_sizes(call.key.norm, call.key.residual || call.dresidual.0 != 0);
+        let mut launch = row_launch(call.key.residual, sizes)?;
         let k = launch.kernel.key;
         if call.dresidual.0 != 0 && !k.residual && !plain_adds_dresidual(k.vpt, k.lanes) {
             // A dresidual in the activations' dtype where the plain tile would not add it: the
             // `_res` kernels' tile for the row.
-            launch = row_launch(true)?;
+            launch = row_launch(true, CLUSTER_SIZES)?;
         }
         let locked = launch.params.sums.mode == normkern_gpu::column_sum::GROUP_SUMS_LOCKED;
         let key = launch.kernel.key;
@@ -611,6 +627,40 @@ pub(crate) mod tests {
         // dγ and dβ in one column-sum launch, four columns per thread.
         assert_ne!(plan.gradients.sums.as_ref().unwrap().params.partials2, 0);
         assert_eq!(plan.gradients.sums.as_ref().unwrap().params.columns, 4);
+    }
+
+    #[test]
+    fn rms_norm_skips_clusters_of_four_unless_it_adds_a_dresidual() {
+        let tile = |norm, d, dresidual: bool| {
+            let mut c = call(norm, 2048, d);
+            if dresidual {
+                c.dresidual = (10 << 20, d);
+            }
+            let rows = plan(&c, &H200).unwrap().rows.unwrap();
+            (rows.kernel.name, rows.block, rows.cluster)
+        };
+        // 32768 bf16: 4 packs × 256 threads × 4 blocks, or 2 packs over 8 blocks for RMSNorm.
+        assert_eq!(
+            tile(Norm::Rms, 32768, false),
+            ("rms_norm_bwd_bf16_v2c", 256, 8)
+        );
+        assert_eq!(
+            tile(Norm::Layer, 32768, false),
+            ("layer_norm_bwd_bf16_v4c", 256, 4)
+        );
+        assert_eq!(
+            tile(Norm::Rms, 32768, true),
+            ("rms_norm_bwd_bf16_v4c", 256, 4)
+        );
+        // Clusters of 2 and 8 are RMSNorm's as before.
+        assert_eq!(
+            tile(Norm::Rms, 16384, false),
+            ("rms_norm_bwd_bf16_v4c", 256, 2)
+        );
+        assert_eq!(
+            tile(Norm::Rms, 65536, false),
+            ("rms_norm_bwd_bf16_v4c", 256, 8)
+        );
     }
 
     #[test]

@@ -8,7 +8,7 @@ use normkern_gpu::norm::{
 use super::{RowLaunch, check_config, inv, params_f32, stored_f32, stride_in_elems};
 use crate::error::{Error, Result};
 use crate::executor::{Device, Executor, Launch, optional_input, optional_output};
-use crate::plan::packs_fit;
+use crate::plan::{CLUSTER_SIZES, packs_fit};
 use crate::tensor::{Buffer, Dtype, Rows, expect_len};
 
 /// The arguments of a norm forward ([`crate::rms_norm::forward`], [`crate::layer_norm::forward`]):
@@ -290,7 +290,11 @@ pub(crate) fn plan(
         work: rows,
         // Forward rows are independent: with a row per SM or more, a block per row streaming
         // from L2 outruns a cluster per row.
-        clusters: rows < device.sm_count(),
+        cluster_sizes: if rows < device.sm_count() {
+            CLUSTER_SIZES
+        } else {
+            &[]
+        },
         fewest_accesses: forward_fewest_accesses(centered, key.residual),
         stream_threads: forward_stream_threads(key.residual, d.saturating_mul(bytes)),
         items_per_team: true,

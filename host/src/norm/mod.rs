@@ -122,8 +122,8 @@ pub(crate) struct RowLaunch<P: 'static> {
     pub d: usize,
     /// Items the teams walk: rows, or groups of rows.
     pub work: usize,
-    /// Whether a row may be split over the blocks of a cluster.
-    pub clusters: bool,
+    /// The cluster sizes a row may be split over (ascending; none: one block per row).
+    pub cluster_sizes: &'static [usize],
     /// Register tiles with fewer accesses per thread are passed over.
     pub fewest_accesses: usize,
     /// The most threads of a streaming block.
@@ -153,10 +153,10 @@ impl<P: Copy> RowLaunch<P> {
                 ..base
             })
         };
-        let max_cluster = if self.clusters {
-            device.max_cluster()
-        } else {
+        let max_cluster = if self.cluster_sizes.is_empty() {
             1
+        } else {
+            device.max_cluster()
         };
         let len = if base.vec { 16 / base.dtype.bytes() } else { 1 };
         let limit = |k: &'static Kernel<NormKey, P>| -> Result<usize> {
@@ -215,13 +215,18 @@ impl<P: Copy> RowLaunch<P> {
                 self.d,
                 len,
                 &register_tiles[..tiles],
-                max_cluster,
+                (self.cluster_sizes, max_cluster),
                 self.stream_threads,
                 |vpt, cluster| kernel(vpt, cluster, 0).map(limit).transpose(),
                 prefetches,
             )
         };
-        let question = (self.table as *const _ as usize, base, self.d, max_cluster);
+        let question = (
+            self.table as *const _ as usize,
+            base,
+            self.d,
+            (self.cluster_sizes.as_ptr() as usize, max_cluster),
+        );
         let RowTile {
             vpt,
             threads,

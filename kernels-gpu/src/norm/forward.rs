@@ -3,7 +3,7 @@
 use super::Normalization;
 use super::params::ForwardParams;
 use super::policy::{
-    STREAM, forward_params_in_shared, forward_prefetches, forward_words, stream_in_pairs,
+    STREAM, STREAM_DEPTH, forward_params_in_shared, forward_prefetches, forward_words,
 };
 use super::rows::{
     AddResidual, Plain, RowSource, param, row_stats_regs, row_stats_stream, stream_accesses,
@@ -232,33 +232,32 @@ pub(super) unsafe fn forward_stream<
         save_stats::<N>(p, team, row, mean, rstd);
         let y_row = row_addr::<T>(p.y, row, p.y_stride);
         let src_row = src.row(row);
-        stream_accesses(
-            stream_in_pairs(S::WIDE),
-            tid,
-            threads,
-            accesses,
-            // SAFETY: the access lies inside the row.
-            |a| unsafe { src.load(&src_row, a * len) },
-            |a, raw| {
-                let x = src.hold(raw);
-                unsafe { src.emit(&src_row, a * len, &x) };
-                let g = unsafe { param::<T, VEC>(p.gamma, a * len, p.params_f32, p.gamma_offset) };
-                let b = if N::CENTERED && p.beta != 0 {
-                    unsafe { param::<T, VEC>(p.beta, a * len, p.params_f32, 0.0) }
-                } else {
-                    [0.0; 8]
-                };
-                let mut y: Pack = [0; 4];
-                for i in 0..len {
-                    T::set(
-                        &mut y,
-                        i,
-                        normalize::<N>(S::get(&x, i), mean, rstd, g[i], b[i]),
-                    );
-                }
-                unsafe { Access::<T, VEC>::store(y_row, a * len, &y) };
-            },
-        );
+        let load = |a: usize| unsafe { src.load(&src_row, a * len) };
+        let write = |a: usize, raw: &S::Raw| {
+            let x = src.hold(raw);
+            unsafe { src.emit(&src_row, a * len, &x) };
+            let g = unsafe { param::<T, VEC>(p.gamma, a * len, p.params_f32, p.gamma_offset) };
+            let b = if N::CENTERED && p.beta != 0 {
+                unsafe { param::<T, VEC>(p.beta, a * len, p.params_f32, 0.0) }
+            } else {
+                [0.0; 8]
+            };
+            let mut y: Pack = [0; 4];
+            for i in 0..len {
+                T::set(
+                    &mut y,
+                    i,
+                    normalize::<N>(S::get(&x, i), mean, rstd, g[i], b[i]),
+                );
+            }
+            unsafe { Access::<T, VEC>::store(y_row, a * len, &y) };
+        };
+        // SAFETY (the loads): every access below `accesses` lies inside the row.
+        if S::WIDE {
+            stream_accesses::<_, 1>(tid, threads, accesses, load, write);
+        } else {
+            stream_accesses::<_, STREAM_DEPTH>(tid, threads, accesses, load, write);
+        }
         row += stride;
     }
 }

@@ -3,7 +3,9 @@
 //!
 //! Forward, per row: LayerNorm `μ = mean(x)`, `rstd = 1/sqrt(mean((x−μ)²) + eps)`,
 //! `y = (x−μ)·rstd·γ + β` (β optional), saving fp32 μ and rstd; RMSNorm the same with μ = 0 and
-//! no β, saving rstd. The row is on chip, so the variance is the exact two-pass one.
+//! no β, saving rstd. Where the row is on chip the variance is the exact two-pass one; a streamed
+//! row (too wide for registers) is read once for both statistics, LayerNorm's variance from each
+//! thread's moments merged exactly (`rows::Moments`), not from a sum of squares.
 //! `γ + offset` (offset in fp32, Gemma's `1 + γ`) stands for γ everywhere; dγ does not see it.
 //! Backward, per row: `x̂ = (x−μ)·rstd` (recomputed from x and the saved statistics, never stored;
 //! with nothing saved the statistics themselves are recomputed from the row, one more reduction),

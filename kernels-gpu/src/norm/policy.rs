@@ -101,13 +101,13 @@ pub const fn backward_prefetches(wide: bool, vpt: usize) -> bool {
     !(wide && vpt >= 4)
 }
 
-/// Whether a streaming pass keeps two loads per thread in flight (`rows::stream_accesses`): one
-/// at a time, the streaming tile (one 1024-thread block per SM) had 16 KB of loads in flight per
-/// SM. Sources of two operands per access (`RowSource::WIDE`, the residual families) keep one:
-/// 1024 threads leave them no room.
-pub const fn stream_in_pairs(wide: bool) -> bool {
-    !wide
-}
+/// Loads per thread a streaming pass over a plain row keeps in flight (`rows::stream_accesses`):
+/// one at a time, the streaming tile (one 1024-thread block per SM) had 16 KB of loads in flight
+/// per SM. Sources of two operands per access (`RowSource::WIDE`, the residual families) keep one:
+/// 1024 threads leave them no room. Four or eight in the pass that reads the row from DRAM
+/// measured no faster, and eight spilled the cluster instances (`bench-results/h200.md`,
+/// twenty-fourth session).
+pub const STREAM_DEPTH: usize = 2;
 
 /// Whether a backward register tile holds γ in shared memory rather than in registers:
 /// LayerNorm's block tiles of two or more accesses per thread. Their rows, dγ and dβ fill the
@@ -286,7 +286,7 @@ const fn layer_norm_block_tile(key: NormKey, residual: bool) -> bool {
 /// resident without spills (56 spill). The residual tiles hold the row as f32 (the stream may be
 /// f32): ptxas's own choice gave the 2-pack tile 93 (two blocks) and the 4-pack 168 (one block of
 /// 256 threads, none of 512); 64 and 128 keep four and two without spills.
-/// Their cluster instances spill at 128 and keep ptxas's choice.
+/// Their cluster instances spill at 128 and keep ptxas's choice. The streaming block instances: 64.
 pub const fn forward_register_budget(key: NormKey) -> u32 {
     if layer_norm_two_packs(key) {
         64
@@ -296,6 +296,10 @@ pub const fn forward_register_budget(key: NormKey) -> u32 {
             4 => 128,
             _ => 0,
         }
+    } else if key.vpt == STREAM && !key.cluster {
+        // The streaming block's 1024 threads (or two blocks of 512) fit 64 registers. LayerNorm's
+        // one-pass statistics (`rows::Moments`) took ptxas's choice to 68–72.
+        64
     } else {
         0
     }

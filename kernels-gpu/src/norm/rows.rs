@@ -8,7 +8,7 @@ use crate::element::{Access, Element, MixedRows, Pack, Wide, load_f32s, row_addr
 use crate::reduce::{RowReducer, Team};
 
 use super::params::{BackwardParams, ForwardParams};
-use super::policy::stream_in_pairs;
+use super::policy::STREAM_DEPTH;
 
 /// The row a body normalizes (forward) or differentiates through (backward), one access
 /// (`Access::<T, VEC>::LEN` elements) at a time. `load` only issues loads; `hold` does the
@@ -368,7 +368,9 @@ pub(super) unsafe fn row_stats_regs<
     )
 }
 
-/// `(μ, rstd)` of a row streamed from memory (μ = 0 for RMSNorm), one pass per statistic.
+/// `(μ, rstd)` of a row streamed from memory (μ = 0 for RMSNorm): one pass over the row, which
+/// reads it from DRAM; LayerNorm's variance from the moments of each thread's elements
+/// ([`centered_moments`]) rather than from a second pass.
 ///
 /// # Safety
 /// As for [`stream_sum`].
@@ -387,15 +389,109 @@ pub(super) unsafe fn row_stats_stream<
     inv_d: f32,
     eps: f32,
 ) -> (f32, f32) {
-    let mean = if N::CENTERED {
-        let sum = unsafe { stream_sum::<T, VEC, S>(reducer, team, src, row, d, |v| v) };
-        sum * inv_d
-    } else {
-        0.0
+    if N::CENTERED {
+        let moments = unsafe {
+            if S::WIDE {
+                centered_moments::<T, VEC, S, 1>(team, src, row, d)
+            } else {
+                centered_moments::<T, VEC, S, STREAM_DEPTH>(team, src, row, d)
+            }
+        };
+        // Chan et al.'s combination: the row's sum, then its squared deviations about μ, each
+        // thread's M2 plus its n·(mean − μ)².
+        let total = unsafe { reducer.sum(moments.sum) };
+        let mean = total * inv_d;
+        let m2 = unsafe { reducer.sum(moments.m2_about::<T, VEC>(mean)) };
+        return (mean, arch::rsqrt(m2 * inv_d + eps));
+    }
+    let sum_sq = unsafe {
+        if S::WIDE {
+            stream_sum::<T, VEC, S, 1>(reducer, team, src, row, d, |v| v * v)
+        } else {
+            stream_sum::<T, VEC, S, STREAM_DEPTH>(reducer, team, src, row, d, |v| v * v)
+        }
     };
-    let sum_sq =
-        unsafe { stream_sum::<T, VEC, S>(reducer, team, src, row, d, |v| (v - mean) * (v - mean)) };
-    (mean, arch::rsqrt(sum_sq * inv_d + eps))
+    (0.0, arch::rsqrt(sum_sq * inv_d + eps))
+}
+
+/// One thread's elements of a row, summarized: their `sum` (for μ), and, over the `accesses` it
+/// has added, their `mean` and squared deviations about it, `m2`. Each access is summarized
+/// exactly in registers (its own mean and deviations) and merged into the running ones (Chan et
+/// al.): no sum of squares, so nothing cancels when the mean is large against the spread.
+#[derive(Clone, Copy, Default)]
+pub(super) struct Moments {
+    accesses: f32,
+    sum: f32,
+    mean: f32,
+    m2: f32,
+}
+
+impl Moments {
+    /// Adds one access of `len` elements.
+    #[inline(always)]
+    fn add<T: Element, const VEC: bool, S: RowSource<T, VEC>>(&mut self, x: &S::Held) {
+        let len = Access::<T, VEC>::LEN;
+        let mut sum = 0.0f32;
+        for i in 0..len {
+            sum += S::get(x, i);
+        }
+        self.sum += sum;
+        let mean = sum * (1.0 / len as f32);
+        let mut m2 = 0.0f32;
+        for i in 0..len {
+            let c = S::get(x, i) - mean;
+            m2 = arch::fma(c, c, m2);
+        }
+        // Merging n = k·len elements with len more: the mean moves by δ·len/(n + len) = δ/(k+1),
+        // and the deviations gain δ²·n·len/(n + len) = δ²·len·k/(k+1).
+        self.accesses += 1.0;
+        let w = arch::rcp_approx(self.accesses);
+        let delta = mean - self.mean;
+        self.mean = arch::fma(delta, w, self.mean);
+        self.m2 += arch::fma(delta * delta * len as f32, 1.0 - w, m2);
+    }
+
+    /// The squared deviations of the elements about `mean`: `m2 + n·(mean_t − mean)²`.
+    #[inline(always)]
+    fn m2_about<T: Element, const VEC: bool>(&self, mean: f32) -> f32 {
+        if self.accesses == 0.0 {
+            return 0.0;
+        }
+        let n = self.accesses * Access::<T, VEC>::LEN as f32;
+        let off = self.mean - mean;
+        arch::fma(n * off, off, self.m2)
+    }
+}
+
+/// [`Moments`] of this thread's accesses of a streamed row, `DEPTH` loads in flight
+/// ([`stream_accesses`]).
+///
+/// # Safety
+/// As for [`stream_sum`].
+#[inline(always)]
+unsafe fn centered_moments<
+    T: Element,
+    const VEC: bool,
+    S: RowSource<T, VEC>,
+    const DEPTH: usize,
+>(
+    team: Team,
+    src: &S,
+    row: usize,
+    d: usize,
+) -> Moments {
+    let len = Access::<T, VEC>::LEN;
+    let row = src.row(row);
+    let mut m = Moments::default();
+    stream_accesses::<_, DEPTH>(
+        team.tid,
+        team.threads,
+        d.div_ceil(len),
+        // SAFETY: the access lies inside the row (the caller's contract).
+        |a| unsafe { src.load(&row, a * len) },
+        |_, raw| m.add::<T, VEC, S>(&src.hold(raw)),
+    );
+    m
 }
 
 /// One access worth of a per-feature parameter (γ or β) starting at element `elem`, in f32:
@@ -433,12 +529,10 @@ pub(super) unsafe fn param<T: Element, const VEC: bool>(
 }
 
 /// Calls `f(a, raw)` for the accesses `a = first, first + step, …` below `accesses` of one
-/// streaming pass, in that order, with each access as loaded by `load`; `pairs` (a constant of
-/// the instance, [`stream_in_pairs`]): the loads of two accesses are issued before the first of
-/// them is used.
+/// streaming pass, in that order, with each access as loaded by `load`; the loads of `DEPTH`
+/// consecutive accesses ([`stream_depth`]) are issued before the first of them is used.
 #[inline(always)]
-pub(super) fn stream_accesses<R>(
-    pairs: bool,
+pub(super) fn stream_accesses<R: Copy + Default, const DEPTH: usize>(
     first: usize,
     step: usize,
     accesses: usize,
@@ -446,12 +540,16 @@ pub(super) fn stream_accesses<R>(
     mut f: impl FnMut(usize, &R),
 ) {
     let mut a = first;
-    if pairs {
-        while a + step < accesses {
-            let (r0, r1) = (load(a), load(a + step));
-            f(a, &r0);
-            f(a + step, &r1);
-            a += 2 * step;
+    if DEPTH > 1 {
+        while a + (DEPTH - 1) * step < accesses {
+            let mut raws = [R::default(); DEPTH];
+            for (k, raw) in raws.iter_mut().enumerate() {
+                *raw = load(a + k * step);
+            }
+            for (k, raw) in raws.iter().enumerate() {
+                f(a + k * step, raw);
+            }
+            a += DEPTH * step;
         }
     }
     while a < accesses {
@@ -466,7 +564,12 @@ pub(super) fn stream_accesses<R>(
 /// # Safety
 /// The row is readable as the access requires; every thread of the block calls it.
 #[inline(always)]
-pub(super) unsafe fn stream_sum<T: Element, const VEC: bool, S: RowSource<T, VEC>>(
+pub(super) unsafe fn stream_sum<
+    T: Element,
+    const VEC: bool,
+    S: RowSource<T, VEC>,
+    const DEPTH: usize,
+>(
     reducer: &mut RowReducer,
     team: Team,
     src: &S,
@@ -477,8 +580,7 @@ pub(super) unsafe fn stream_sum<T: Element, const VEC: bool, S: RowSource<T, VEC
     let len = Access::<T, VEC>::LEN;
     let mut sum = 0.0f32;
     let row = src.row(row);
-    stream_accesses(
-        stream_in_pairs(S::WIDE),
+    stream_accesses::<_, DEPTH>(
         team.tid,
         team.threads,
         d.div_ceil(len),

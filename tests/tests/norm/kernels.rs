@@ -9,7 +9,7 @@ use normkern::Emulator;
 use normkern_tests::backend::{Backend, Device, Host};
 use normkern_tests::{Rng, TestDtype};
 
-use crate::case::{Case, KINDS, Kind, Shape, emulator};
+use crate::case::{Case, EPS, KINDS, Kind, Shape, emulator};
 use crate::determinism::check_bitwise_stable;
 
 /// Each shape against the reference on `backend`, and bitwise the same on each of `grids`.
@@ -121,6 +121,45 @@ fn emulator_layer_norm_two_access_forward_tiles_match_reference() {
     let shapes = [(9, 2048, 2056, 0), (5, 200, 203, 1)];
     emulated::<bf16>(Kind::Layer { bias: true }, &shapes);
     emulated::<f32>(Kind::Layer { bias: true }, &shapes);
+}
+
+/// LayerNorm's streaming instance (rows too wide for registers: packed rows of 40000 bf16 without
+/// clusters, single-element rows of 8200) takes the variance from each thread's moments in the
+/// same pass as the mean (`rows::Moments`). Against the reference, and off-centre: rows whose mean
+/// is 1000 times their spread, where `Σx² − (Σx)²/n` in f32 would lose every digit.
+#[test]
+fn emulator_layer_norm_streamed_rows_match_reference() {
+    let shapes = [(3, 40000, 40000, 0), (2, 8200, 8208, 1)];
+    emulated::<bf16>(Kind::Layer { bias: true }, &shapes);
+    emulated::<f32>(Kind::Layer { bias: true }, &shapes);
+    // Off-centre rows: the statistics against f64 (the backward's x − μ loses those digits in
+    // any f32 LayerNorm, so dγ is not judged here).
+    let what = "emulator off-centre streamed rows";
+    let mut rng = Rng::fresh(what);
+    let backend = emulator();
+    for shape in [(2, 20000, 20000, 0), (2, 8200, 8208, 1)] {
+        let mut case = Case::<f32>::new(Kind::Layer { bias: true }, &mut rng, shape);
+        for x in &mut case.x {
+            *x += 1000.0;
+        }
+        let out = case.run(&backend);
+        let (rows, d, stride, offset) = shape;
+        for r in 0..rows {
+            let row = &case.x[offset + r * stride..][..d];
+            let mean = row.iter().map(|&v| v as f64).sum::<f64>() / d as f64;
+            let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / d as f64;
+            let rstd = 1.0 / (var + EPS as f64).sqrt();
+            let (got_mean, got_rstd) = (out.mean[r] as f64, out.rstd[r] as f64);
+            assert!(
+                (got_mean - mean).abs() <= 2e-5 * mean.abs(),
+                "{what} {shape:?} row {r}: mean {got_mean}, reference {mean}"
+            );
+            assert!(
+                (got_rstd - rstd).abs() <= 2e-5 * rstd,
+                "{what} {shape:?} row {r}: rstd {got_rstd}, reference {rstd}"
+            );
+        }
+    }
 }
 
 #[test]
