@@ -530,7 +530,8 @@ pub(super) unsafe fn param<T: Element, const VEC: bool>(
 
 /// Calls `f(a, raw)` for the accesses `a = first, first + step, …` below `accesses` of one
 /// streaming pass, in that order, with each access as loaded by `load`; the loads of `DEPTH`
-/// consecutive accesses ([`stream_depth`]) are issued before the first of them is used.
+/// consecutive accesses (`policy::STREAM_DEPTH`, or one for two-operand sources) are issued
+/// before the first of them is used.
 #[inline(always)]
 pub(super) fn stream_accesses<R: Copy + Default, const DEPTH: usize>(
     first: usize,
