@@ -80,10 +80,9 @@ pub struct RowTile {
 /// tiles `register_tiles` (ascending) and the streaming one. `max_threads(vpt, cluster)` is the
 /// most threads a block of that kernel may have, or `None` when no such kernel is compiled. In
 /// order: one block of up to [`PREFERRED_THREADS`]; one block of up to the kernel's limit, tiles
-/// that `prefetch` the next row first; the smallest cluster of `cluster_sizes` (ascending, up to
-/// `max_cluster` blocks) whose
-/// blocks need at most [`PREFERRED_THREADS`] (fewest accesses per thread first), then at most the
-/// kernel's limit; else streaming, in blocks of at most `stream_threads`, by a cluster of
+/// that `prefetch` the next row first; the smallest cluster of `cluster_sizes` (ascending, up
+/// to `max_cluster` blocks) whose blocks need at most [`PREFERRED_THREADS`] (fewest accesses per
+/// thread first), then at most the kernel's limit; else streaming, in blocks of at most `stream_threads`, by a cluster of
 /// `max_cluster` blocks. The choice depends on the shape, the device and the kernels' register
 /// counts only, never on the grid, so reductions keep their order.
 pub(crate) fn row_tile(
@@ -211,8 +210,8 @@ impl<K: Eq + std::hash::Hash, V: Copy> Memo<K, V> {
 }
 
 /// Row tiles chosen so far, by (table address, kernel key with the tile fields unset, d, the
-/// cluster sizes tried (their list's address) and most blocks per cluster): the choice depends on nothing else, so a device keeps it and later calls
-/// skip the search.
+/// cluster sizes tried (their list's address) and most blocks per cluster): the choice depends
+/// on nothing else, so a device keeps it and later calls skip the search.
 pub type TileMemo = Memo<(usize, normkern_gpu::norm::NormKey, usize, (usize, usize)), RowTile>;
 
 /// Whether 16-byte packs of `16 / elem_bytes` elements can serve every operand: each base address
