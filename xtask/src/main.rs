@@ -369,8 +369,9 @@ fn ptxas() -> Result {
 /// blocks per SM; LayerNorm's widest plain tile keeps its prefetch; the staged RMSNorm block
 /// tile's register path keeps twelve 64-thread blocks per SM), or is the sm_80 build of such a
 /// kernel (not measured: no sm_80 GPU here; LayerNorm's 16-bit streaming forward at the 64
-/// registers of a 1024-thread block spills on sm_80 only, twenty-fourth session). Any other kernel that spills, or one of these
-/// spilling more, fails the check; one that stops spilling must leave the list.
+/// registers of a 1024-thread block spills on sm_80 only, twenty-fourth session). Any other
+/// kernel that spills, or one of these spilling more, fails the check; one that stops spilling
+/// must leave the list.
 const KNOWN_SPILLS: &[(&str, &str, u32)] = &[
     ("sm_80", "layer_norm_bwd_bf16_v1l16", 336),
     ("sm_80", "layer_norm_bwd_bf16_v1l32", 272),
