@@ -159,6 +159,36 @@ impl<T: Element, const VEC: bool> Access<T, VEC> {
         }
     }
 
+    /// [`Self::load`] of a row a later pass reads again from L2 (`arch::load16_kept`; single
+    /// elements load as ever).
+    ///
+    /// # Safety
+    /// As for [`Self::load`].
+    #[inline(always)]
+    pub unsafe fn load_kept(row: u64, elem: usize) -> Pack {
+        let p = (row as usize + elem * T::BYTES) as *const u8;
+        if VEC {
+            unsafe { arch::load16_kept(p) }
+        } else {
+            unsafe { T::load_one(p) }
+        }
+    }
+
+    /// [`Self::store`] of output nothing in the launch reads again (`arch::store16_streaming`;
+    /// single elements store as ever).
+    ///
+    /// # Safety
+    /// As for [`Self::store`].
+    #[inline(always)]
+    pub unsafe fn store_streaming(row: u64, elem: usize, pack: &Pack) {
+        let p = (row as usize + elem * T::BYTES) as *mut u8;
+        if VEC {
+            unsafe { arch::store16_streaming(p, *pack) }
+        } else {
+            unsafe { T::store_one(p, pack) }
+        }
+    }
+
     /// Stores one access at element `elem` of the row at `row`.
     ///
     /// # Safety

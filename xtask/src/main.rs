@@ -1,10 +1,11 @@
 //! Project tasks: `cargo xtask <task>`.
 //!
-//! - `build-ptx [--check]`: compile `normkern-gpu` to PTX for every target architecture and write
-//!   `host/ptx/normkern_<arch>.ptx`, then assemble each PTX with ptxas (`$PTXAS` or PATH; pin
-//!   PyPI's `nvidia-cuda-nvcc`, as CI does) into `host/cubin/normkern_<arch>.cubin`; with
-//!   `--check`, rebuild both and fail on any byte difference. Either way, fail when any kernel has
-//!   a stack frame or spills, or the PTX a local-memory frame (as `ptxas` below).
+//! - `build-ptx [--check] [--arch sm_90]`: compile `normkern-gpu` to PTX for every target
+//!   architecture (or the one named) and write `host/ptx/normkern_<arch>.ptx`, then assemble
+//!   each PTX with ptxas (`$PTXAS` or PATH; pin PyPI's `nvidia-cuda-nvcc`, as CI does) into
+//!   `host/cubin/normkern_<arch>.cubin`; with `--check`, rebuild them and fail on any byte
+//!   difference. Either way, fail when any kernel has a stack frame or spills, or the PTX a
+//!   local-memory frame (as `ptxas` below).
 //! - `ptxas`: run ptxas (`$PTXAS` or PATH) on every PTX; print registers, stack frame and spills per
 //!   kernel; fail when any kernel has a stack frame or spills, or the PTX a local-memory frame.
 //! - `bundle [DIR]`: build the release test, bench and example executables and collect them with `run.sh`
@@ -31,7 +32,10 @@ const ARCHS: [&str; 2] = ["sm_80", "sm_90"];
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
-        Some("build-ptx") => build_ptx(args.iter().any(|a| a == "--check")),
+        Some("build-ptx") => build_ptx(
+            args.iter().any(|a| a == "--check"),
+            (args.iter().position(|a| a == "--arch")).and_then(|i| args.get(i + 1)),
+        ),
         Some("ptxas") => ptxas(),
         Some("bundle") => bundle(
             args.get(1)
@@ -46,7 +50,7 @@ fn main() -> ExitCode {
             Err("plot-sweep needs the plot feature: cargo run --release -p xtask --features plot -- plot-sweep …".into())
         }
         _ => Err(
-            "usage: cargo xtask <build-ptx [--check] | ptxas | bundle [DIR] | bench [ARGS] \
+            "usage: cargo xtask <build-ptx [--check] [--arch ARCH] | ptxas | bundle [DIR] | bench [ARGS] \
              | plot-sweep --csv FILE [--peers FILE] [--out FILE]>"
                 .into(),
         ),
@@ -197,11 +201,18 @@ fn with_register_budgets(ptx: &str) -> String {
     out
 }
 
-fn build_ptx(check: bool) -> Result {
+fn build_ptx(check: bool, only: Option<&String>) -> Result {
+    // `--arch sm_90`: that architecture alone (a quicker build while measuring on one GPU).
+    let archs: Vec<&str> = (ARCHS.into_iter())
+        .filter(|arch| only.is_none_or(|o| o == arch))
+        .collect();
+    if archs.is_empty() {
+        return Err(format!("--arch takes one of {}", ARCHS.join(", ")));
+    }
     // The architectures build side by side, each in its own target directory: each build is
     // mostly one LLVM thread, and the two of them were most of CI's time.
     let built: Vec<Result<(String, Vec<u8>, String)>> = std::thread::scope(|scope| {
-        let builds: Vec<_> = (ARCHS.iter())
+        let builds: Vec<_> = (archs.iter())
             .map(|&arch| {
                 scope.spawn(move || {
                     let ptx = compile_ptx(arch)?;
@@ -215,7 +226,7 @@ fn build_ptx(check: bool) -> Result {
             .collect()
     });
     let (mut stale, mut bad) = (Vec::new(), Vec::new());
-    for (arch, built) in ARCHS.into_iter().zip(built) {
+    for (&arch, built) in archs.iter().zip(built) {
         let (ptx, cubin, report) = built?;
         bad.extend(resource_problems(arch, &parse_ptxas(&report), &ptx)?);
         let (ptx_file, cubin_file) = (ptx_path(arch), cubin_path(arch));
@@ -250,7 +261,7 @@ fn build_ptx(check: bool) -> Result {
         ));
     }
     if check {
-        println!("PTX and cubins up to date for {}", ARCHS.join(", "));
+        println!("PTX and cubins up to date for {}", archs.join(", "));
     }
     resources_verdict(&bad)
 }

@@ -553,6 +553,22 @@ pub unsafe fn store16(p: *mut u8, v: [u32; 4]) {
     unsafe { (p as *mut [u32; 4]).write(v) }
 }
 
+/// [`load16`]: the emulator has no caches to hint.
+///
+/// # Safety
+/// As for [`load16`].
+pub unsafe fn load16_kept(p: *const u8) -> [u32; 4] {
+    unsafe { load16(p) }
+}
+
+/// [`store16`]: the emulator has no caches to hint.
+///
+/// # Safety
+/// As for [`store16`].
+pub unsafe fn store16_streaming(p: *mut u8, v: [u32; 4]) {
+    unsafe { store16(p, v) }
+}
+
 pub fn bf16_to_f32(h: u16) -> f32 {
     half::bf16::from_bits(h).to_f32()
 }

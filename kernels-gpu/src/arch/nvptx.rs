@@ -469,6 +469,58 @@ pub unsafe fn store16(p: *mut u8, v: [u32; 4]) {
     }
 }
 
+/// One 16-byte global load of row data a later pass of the same block reads again from L2: the
+/// line is marked evict-last there (`createpolicy` + `.L2::cache_hint`), so the row's outputs
+/// and other rows in flight push it out after the lines that are not needed again.
+///
+/// sm_80 builds load as [`load16`]: their PTX ISA (7.0) has no cache hints.
+///
+/// # Safety
+/// As for [`load16`].
+#[inline(always)]
+pub unsafe fn load16_kept(p: *const u8) -> [u32; 4] {
+    if !super::SM_90 {
+        return unsafe { load16(p) };
+    }
+    let (a, b, c, d): (u32, u32, u32, u32);
+    unsafe {
+        asm!(
+            "{{",
+            ".reg .b64 keep;",
+            "createpolicy.fractional.L2::evict_last.b64 keep, 1.0;",
+            "ld.global.L2::cache_hint.v4.b32 {{{a}, {b}, {c}, {d}}}, [{p}], keep;",
+            "}}",
+            p = in(reg64) p,
+            a = out(reg32) a,
+            b = out(reg32) b,
+            c = out(reg32) c,
+            d = out(reg32) d,
+            options(readonly, nostack, preserves_flags)
+        );
+    }
+    [a, b, c, d]
+}
+
+/// One 16-byte global store of output nothing reads again in this launch
+/// (`st.global.cs.v4.b32`: cached evict-first, so it does not push out lines that are).
+///
+/// # Safety
+/// As for [`store16`].
+#[inline(always)]
+pub unsafe fn store16_streaming(p: *mut u8, v: [u32; 4]) {
+    unsafe {
+        asm!(
+            "st.global.cs.v4.b32 [{p}], {{{a}, {b}, {c}, {d}}};",
+            p = in(reg64) p,
+            a = in(reg32) v[0],
+            b = in(reg32) v[1],
+            c = in(reg32) v[2],
+            d = in(reg32) v[3],
+            options(nostack, preserves_flags)
+        );
+    }
+}
+
 #[inline(always)]
 pub fn bf16_to_f32(h: u16) -> f32 {
     f32::from_bits((h as u32) << 16)

@@ -250,7 +250,8 @@ pub(super) unsafe fn forward_stream<
                     normalize::<N>(S::get(&x, i), mean, rstd, g[i], b[i]),
                 );
             }
-            unsafe { Access::<T, VEC>::store(y_row, a * len, &y) };
+            // y evict-first: the rows in flight stay in L2 for this pass to read.
+            unsafe { Access::<T, VEC>::store_streaming(y_row, a * len, &y) };
         };
         // SAFETY (the loads): every access below `accesses` lies inside the row.
         if S::WIDE {

@@ -31,6 +31,14 @@ pub(super) trait RowSource<T: Element, const VEC: bool>: Copy {
     /// # Safety
     /// The access lies inside the rows, aligned as `VEC` requires.
     unsafe fn load(&self, row: &Self::Row, elem: usize) -> Self::Raw;
+    /// [`Self::load`] in a streaming pass after which the block reads the row again (from L2).
+    ///
+    /// # Safety
+    /// As for [`Self::load`].
+    #[inline(always)]
+    unsafe fn load_kept(&self, row: &Self::Row, elem: usize) -> Self::Raw {
+        unsafe { self.load(row, elem) }
+    }
     fn hold(&self, raw: &Self::Raw) -> Self::Held;
     /// Element `i` of the row, in f32.
     fn get(held: &Self::Held, i: usize) -> f32;
@@ -144,6 +152,12 @@ impl<T: Element, const VEC: bool> RowSource<T, VEC> for Plain {
     #[inline(always)]
     unsafe fn load(&self, row: &(u64, u64), elem: usize) -> Pack {
         unsafe { Access::<T, VEC>::load(row.0, elem) }
+    }
+    /// x evict-last in L2: the streaming forward's statistics pass reads it from DRAM and the
+    /// pass that writes y reads it again.
+    #[inline(always)]
+    unsafe fn load_kept(&self, row: &(u64, u64), elem: usize) -> Pack {
+        unsafe { Access::<T, VEC>::load_kept(row.0, elem) }
     }
     #[inline(always)]
     fn hold(&self, raw: &Pack) -> Pack {
@@ -488,7 +502,7 @@ unsafe fn centered_moments<
         team.threads,
         d.div_ceil(len),
         // SAFETY: the access lies inside the row (the caller's contract).
-        |a| unsafe { src.load(&row, a * len) },
+        |a| unsafe { src.load_kept(&row, a * len) },
         |_, raw| m.add::<T, VEC, S>(&src.hold(raw)),
     );
     m
@@ -586,7 +600,7 @@ pub(super) unsafe fn stream_sum<
         team.threads,
         d.div_ceil(len),
         // SAFETY: the access lies inside the row (the caller's contract).
-        |a| unsafe { src.load(&row, a * len) },
+        |a| unsafe { src.load_kept(&row, a * len) },
         |_, raw| {
             let x = src.hold(raw);
             for i in 0..len {
