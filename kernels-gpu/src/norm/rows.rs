@@ -153,8 +153,8 @@ impl<T: Element, const VEC: bool> RowSource<T, VEC> for Plain {
     unsafe fn load(&self, row: &(u64, u64), elem: usize) -> Pack {
         unsafe { Access::<T, VEC>::load(row.0, elem) }
     }
-    /// x evict-last in L2: the streaming forward's statistics pass reads it from DRAM and the
-    /// pass that writes y reads it again.
+    /// x evict-last in L2: a streaming statistics pass (the forward's, the backward's recompute)
+    /// reads it from DRAM and the block's next pass reads it again.
     #[inline(always)]
     unsafe fn load_kept(&self, row: &(u64, u64), elem: usize) -> Pack {
         unsafe { Access::<T, VEC>::load_kept(row.0, elem) }
