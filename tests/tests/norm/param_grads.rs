@@ -12,8 +12,9 @@ use normkern_tests::{Rng, assert_close, rms};
 use crate::case::{Case, KINDS, Kind, Shape, emulator};
 
 /// For every kind and shape: two-pass and single-launch bf16 runs, each checked against the
-/// reference, bitwise equal to each other, and the single launch on each of `grids` too; an f32
-/// run with atomics checked against the reference.
+/// reference, bitwise equal to each other, and the single launch on each of `grids` too; the same
+/// bitwise comparisons with f32 gradients (which keep the bits bf16 rounds away), and f32 atomics
+/// checked against the reference.
 fn strategies_agree<B: Backend>(
     backend: &B,
     grids: &[(usize, B)],
@@ -50,23 +51,23 @@ fn strategies_agree<B: Backend>(
             );
 
             // f32 gradients keep every bit of the sums, which bf16 would round away.
-            let mut atomic = Case::<f32>::new(kind, &mut rng, shape);
-            atomic.param_grads = ParamGradients::TwoPass;
-            let two_pass = atomic.run(backend);
-            atomic.param_grads = ParamGradients::SingleLaunch;
+            let mut f32_case = Case::<f32>::new(kind, &mut rng, shape);
+            f32_case.param_grads = ParamGradients::TwoPass;
+            let two_pass = f32_case.run(backend);
+            f32_case.param_grads = ParamGradients::SingleLaunch;
             assert!(
-                atomic.run(backend) == two_pass,
+                f32_case.run(backend) == two_pass,
                 "{what}, f32: single launch ≠ two-pass bitwise"
             );
             for (blocks, limited) in grids {
                 assert!(
-                    atomic.run(limited) == two_pass,
+                    f32_case.run(limited) == two_pass,
                     "{what}, f32: grid of {blocks} blocks ≠ two-pass bitwise"
                 );
             }
-            atomic.param_grads = ParamGradients::Atomic;
-            let out = atomic.run(backend);
-            atomic.check(&out, "atomic");
+            f32_case.param_grads = ParamGradients::Atomic;
+            let out = f32_case.run(backend);
+            f32_case.check(&out, "atomic");
 
             // The locked-buffers baseline, where the row kernel is one block's register tile.
             case.param_grads = ParamGradients::LockedPartials;
