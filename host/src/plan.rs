@@ -8,9 +8,9 @@
 #![allow(clippy::arithmetic_side_effects)]
 
 use normkern_gpu::column_sum::{
-    self, COLUMN_SUM_THREADS, COLUMN_SUM_VECTOR, ColumnSumParams, GROUP_SUMS_ATOMIC,
-    GROUP_SUMS_IN_LAUNCH, GROUP_SUMS_LOCKED, GROUP_SUMS_SHARED_WORDS, GROUP_SUMS_SYNC_WORDS,
-    GroupSums,
+    self, CHAIN_COLUMNS, COLUMN_SUM_ROUND_GROUPS, COLUMN_SUM_THREADS, COLUMN_SUM_VECTOR,
+    ColumnSumParams, GROUP_SUMS_ATOMIC, GROUP_SUMS_IN_LAUNCH, GROUP_SUMS_LOCKED,
+    GROUP_SUMS_SHARED_WORDS, GROUP_SUMS_SYNC_WORDS, GroupSums,
 };
 use normkern_gpu::kernel::{Dtype, Entry};
 use normkern_gpu::norm::STREAM;
@@ -251,9 +251,13 @@ pub(crate) fn column_sum(
     } else {
         1
     };
+    // Groups that take each slice through more than one round of loads: several rounds in
+    // flight at once, on slabs of 8 columns (the same order, the same bits).
+    let chained = columns == 1 && groups > COLUMN_SUM_ROUND_GROUPS;
     let block = COLUMN_SUM_THREADS;
     let shared_bytes = (kernel.shared_bytes)(block);
-    let slabs = d.div_ceil(32 * columns) * sums;
+    let slab = if chained { CHAIN_COLUMNS } else { 32 * columns };
+    let slabs = d.div_ceil(slab) * sums;
     let grid = persistent_grid(device, kernel.entry(), slabs, block, 1, shared_bytes)?;
     Ok(Launch {
         kernel,
@@ -270,6 +274,7 @@ pub(crate) fn column_sum(
             groups: groups as u32,
             d: d as u32,
             columns: columns as u32,
+            chained: chained as u32,
         },
     })
 }

@@ -116,6 +116,9 @@ pub struct ColumnSumParams {
     /// Columns per thread: [`COLUMN_SUM_VECTOR`] (16-byte loads; `d` a multiple of it, the
     /// partials 16-byte aligned) or else one.
     pub columns: u32,
+    /// Nonzero: slabs of [`CHAIN_COLUMNS`] columns, each slice's rounds in flight
+    /// [`CHAIN_PARTS`] at a time (`columns` is then one; see [`column_sum`]).
+    pub chained: u32,
 }
 
 /// Threads per block of [`column_sum`]: 32 lanes × `COLUMN_SUM_SLICES` group slices.
@@ -129,6 +132,15 @@ const COLUMN_SUM_UNROLL: usize = 32;
 pub const COLUMN_SUM_SLICES: usize = COLUMN_SUM_THREADS / WARP;
 /// Columns per thread of the vector column sum: one 16-byte load of f32.
 pub const COLUMN_SUM_VECTOR: usize = 4;
+/// Groups one round of every slice covers (each slice's thread [`COLUMN_SUM_UNROLL`] of them):
+/// more groups than this take the chained sum, which keeps several rounds in flight.
+pub const COLUMN_SUM_ROUND_GROUPS: usize = COLUMN_SUM_UNROLL * COLUMN_SUM_SLICES;
+/// Columns of a slab of the chained column sum: a warp is one slice of 8 columns, its four
+/// quarter-warps ([`CHAIN_PARTS`]) each loading one round of them (32 bytes of a partial row per
+/// quarter-warp, a whole sector).
+pub const CHAIN_COLUMNS: usize = 8;
+/// Rounds of each slice in flight at once in the chained column sum.
+pub const CHAIN_PARTS: usize = WARP / CHAIN_COLUMNS;
 
 /// Column sum of the fp32 partials into `out` in dtype `T` (and of `partials2` into `out2`);
 /// launch with [`COLUMN_SUM_THREADS`] threads and `COLUMN_SUM_THREADS · columns` words of shared
@@ -142,10 +154,19 @@ pub const COLUMN_SUM_VECTOR: usize = 4;
 ///
 /// # Safety
 /// The params describe valid buffers.
+///
+/// Many groups (more than [`COLUMN_SUM_ROUND_GROUPS`]) take each slice through several rounds of
+/// loads, one round trip each, and few slabs leave most SMs idle: 4096 groups of rows of 512 are
+/// 8 round trips on 16 blocks. The chained sum (`chained`) keeps [`CHAIN_PARTS`] rounds of a
+/// slice in flight at once, on four times as many blocks, and adds them in the same order: the
+/// round's part adds its loads to the running sum of the rounds before, then hands the sum to
+/// the next part with a shuffle. Same order, same bits.
 #[inline(always)]
 pub unsafe fn column_sum<T: Element>(p: &ColumnSumParams) {
     unsafe {
-        if p.columns as usize == COLUMN_SUM_VECTOR {
+        if p.chained != 0 {
+            column_sum_chained::<T>(p)
+        } else if p.columns as usize == COLUMN_SUM_VECTOR {
             column_sum_by::<T, COLUMN_SUM_VECTOR, true>(p, 0)
         } else {
             column_sum_by::<T, 1, true>(p, 0)
@@ -197,6 +218,76 @@ unsafe fn slice_sum<const COLUMNS: usize>(
         g += unroll * COLUMN_SUM_SLICES;
     }
     acc
+}
+
+/// [`column_sum`] in slabs of [`CHAIN_COLUMNS`] columns: warp `w` is slice `w` (a block of
+/// [`COLUMN_SUM_THREADS`]), lane `l` column `l % 8` of the slab and part `l / 8`, which loads
+/// rounds `part`, `part + 4`, … of its slice (round `r`: groups `slice + 16 · (32r + u)`, u <
+/// 32, as in [`slice_sum`]). The rounds are added in round order along the chain of parts, and a
+/// round with no group adds nothing, one with some adds all 32 loads (zeros past the end), as
+/// [`slice_sum`] does: the same adds in the same order.
+#[inline(always)]
+unsafe fn column_sum_chained<T: Element>(p: &ColumnSumParams) {
+    let shared = arch::shared_f32();
+    let tid = arch::thread_idx();
+    let (lane, slice) = (tid % WARP, tid / WARP);
+    let (column, part) = (lane % CHAIN_COLUMNS, lane / CHAIN_COLUMNS);
+    let (d, groups) = (p.d as usize, p.groups as usize);
+    let slabs = d.div_ceil(CHAIN_COLUMNS);
+    let sums = if p.out2 != 0 { 2 } else { 1 };
+    let mut item = arch::block_idx();
+    while item < sums * slabs {
+        let (partials, out) = if item < slabs {
+            (p.partials, p.out)
+        } else {
+            (p.partials2, p.out2)
+        };
+        let col = item % slabs * CHAIN_COLUMNS + column;
+        // The running sum of this lane's column over the rounds so far, the same in every part.
+        let mut carry = 0.0f32;
+        // The first group of the slice's first round of this wave of `CHAIN_PARTS` rounds: the
+        // same in every lane of the warp, so every lane takes every shuffle.
+        let mut wave = slice;
+        while wave < groups {
+            let first = wave + part * COLUMN_SUM_ROUND_GROUPS;
+            let mut vals = [0.0f32; COLUMN_SUM_UNROLL];
+            if col < d {
+                for (u, v) in vals.iter_mut().enumerate() {
+                    let g = first + u * COLUMN_SUM_SLICES;
+                    if g < groups {
+                        *v =
+                            unsafe { load_f32s::<false>(partials + (g * d * 4) as u64, col, 1) }[0];
+                    }
+                }
+            }
+            for link in 0..CHAIN_PARTS {
+                // Every part adds its round to the carry; only part `link`'s sum is kept.
+                let mut acc = carry;
+                if first < groups {
+                    for v in &vals {
+                        acc += v;
+                    }
+                }
+                carry = arch::shfl_idx(acc, (link * CHAIN_COLUMNS + column) as u32);
+            }
+            wave += CHAIN_PARTS * COLUMN_SUM_ROUND_GROUPS;
+        }
+        if part == 0 {
+            unsafe { shared.store(slice * CHAIN_COLUMNS + column, carry) };
+        }
+        arch::sync_threads();
+        if slice == 0 && part == 0 && col < d {
+            let mut total = 0.0f32;
+            for s in 0..COLUMN_SUM_SLICES {
+                total += unsafe { shared.load(s * CHAIN_COLUMNS + column) };
+            }
+            let mut pack: Pack = [0; 4];
+            T::set(&mut pack, 0, total);
+            unsafe { Access::<T, false>::store(out, col, &pack) };
+        }
+        arch::sync_threads();
+        item += arch::grid_dim();
+    }
 }
 
 /// The column sum by a block: each slab of `32 · COLUMNS` columns has its
@@ -361,6 +452,7 @@ unsafe fn sum_in_launch<T: Element>(
         groups,
         d,
         columns: 1,
+        chained: 0,
     };
     let base = arch::dynamic_shared_words() - GROUP_SUMS_SHARED_WORDS;
     unsafe {

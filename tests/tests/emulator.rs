@@ -309,54 +309,71 @@ fn a_grid_that_is_not_whole_clusters_is_refused() {
 }
 
 #[test]
-fn column_sums_by_one_or_four_columns_give_the_same_bits() {
-    // 37 groups (five slices get three, the rest two), 1000 columns: slabs of 32 and of 128, the
-    // last of each partial; a grid of 3 blocks walks them, for two sums in one launch (dγ, dβ).
-    let (groups, d) = (37, 1000);
-    let mut rng = normkern_tests::Rng::fresh("column_sums");
-    let mut partials = || -> Vec<f32> {
-        (0..groups * d)
-            .map(|_| rng.uniform(-4.0, 4.0) as f32)
-            .collect()
-    };
-    let inputs = [partials(), partials()];
-    let kernel = column_sum::KERNELS.find(&Dtype::F32).unwrap();
-    let sum = |columns: usize| {
-        let outs = [vec![f32::NAN; d], vec![f32::NAN; d]];
-        let p = ColumnSumParams {
-            partials: inputs[0].as_ptr() as u64,
-            out: outs[0].as_ptr() as u64,
-            partials2: inputs[1].as_ptr() as u64,
-            out2: outs[1].as_ptr() as u64,
-            groups: groups as u32,
-            d: d as u32,
-            columns: columns as u32,
+fn column_sums_by_one_or_four_columns_or_chained_give_the_same_bits() {
+    // 37 groups (five slices get three, the rest two), 1000 columns: slabs of 32, of 128 and of
+    // 8, the last of each partial; a grid of 3 blocks walks them, for two sums in one launch (dγ,
+    // dβ). 600 groups take two rounds of loads per slice (one chained wave, two parts idle), 4700
+    // three waves of four rounds, the last wave ending inside a round; 1 group is one load.
+    for (groups, d) in [(37, 1000), (600, 20), (4700, 12), (1, 9)] {
+        let mut rng = normkern_tests::Rng::fresh("column_sums");
+        let mut partials = || -> Vec<f32> {
+            (0..groups * d)
+                .map(|_| rng.uniform(-4.0, 4.0) as f32)
+                .collect()
         };
-        // Exactly the words this width uses, so a store past them is reported; the host
-        // launches with the table's size, which must cover the widest.
-        let shared_bytes = COLUMN_SUM_THREADS * 4 * columns;
-        assert!(shared_bytes <= (kernel.shared_bytes)(COLUMN_SUM_THREADS));
-        let body = kernel.body;
-        emu::launch(
-            kernel.name,
-            (3, COLUMN_SUM_THREADS, 1),
-            shared_bytes,
-            false,
-            &|| unsafe { body(&p) },
-        )
-        .unwrap();
-        outs
-    };
-    let (one, four) = (sum(1), sum(COLUMN_SUM_VECTOR));
-    for (i, partials) in inputs.iter().enumerate() {
-        for j in 0..d {
-            let exact: f64 = (0..groups).map(|g| partials[g * d + j] as f64).sum();
-            let got = one[i][j];
-            assert!(
-                (got as f64 - exact).abs() < 1e-4,
-                "sum {i} column {j}: {got} vs {exact}"
-            );
-            assert_eq!(got.to_bits(), four[i][j].to_bits(), "sum {i} column {j}");
+        let inputs = [partials(), partials()];
+        let kernel = column_sum::KERNELS.find(&Dtype::F32).unwrap();
+        let sum = |columns: usize, chained: bool| {
+            let outs = [vec![f32::NAN; d], vec![f32::NAN; d]];
+            let p = ColumnSumParams {
+                partials: inputs[0].as_ptr() as u64,
+                out: outs[0].as_ptr() as u64,
+                partials2: inputs[1].as_ptr() as u64,
+                out2: outs[1].as_ptr() as u64,
+                groups: groups as u32,
+                d: d as u32,
+                columns: columns as u32,
+                chained: chained as u32,
+            };
+            // Exactly the words this width uses, so a store past them is reported; the host
+            // launches with the table's size, which must cover the widest.
+            let shared_bytes = COLUMN_SUM_THREADS * 4 * columns;
+            assert!(shared_bytes <= (kernel.shared_bytes)(COLUMN_SUM_THREADS));
+            let body = kernel.body;
+            emu::launch(
+                kernel.name,
+                (3, COLUMN_SUM_THREADS, 1),
+                shared_bytes,
+                false,
+                &|| unsafe { body(&p) },
+            )
+            .unwrap();
+            outs
+        };
+        let (one, chained) = (sum(1, false), sum(1, true));
+        let four = (d % COLUMN_SUM_VECTOR == 0).then(|| sum(COLUMN_SUM_VECTOR, false));
+        for (i, partials) in inputs.iter().enumerate() {
+            for j in 0..d {
+                let exact: f64 = (0..groups).map(|g| partials[g * d + j] as f64).sum();
+                let got = one[i][j];
+                assert!(
+                    (got as f64 - exact).abs() < 1e-3,
+                    "{groups} groups, sum {i} column {j}: {got} vs {exact}"
+                );
+                let bits = got.to_bits();
+                assert_eq!(
+                    bits,
+                    chained[i][j].to_bits(),
+                    "{groups} groups, sum {i} column {j}"
+                );
+                if let Some(four) = &four {
+                    assert_eq!(
+                        bits,
+                        four[i][j].to_bits(),
+                        "{groups} groups, sum {i} column {j}"
+                    );
+                }
+            }
         }
     }
 }

@@ -499,6 +499,26 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn many_groups_take_the_chained_column_sum() {
+        use normkern_gpu::column_sum::CHAIN_COLUMNS;
+        // (rows, d, groups, chained): 4096 groups of 64 rows of 512, 1024 of 1024 rows of 128 —
+        // more than one round of the sum's loads per slice — and 512 groups (one round) of 1024.
+        for (rows, d, groups, chained) in [
+            (262144, 512, 4096, true),
+            (1 << 20, 128, 1024, true),
+            (65536, 1024, 512, false),
+        ] {
+            let plan = plan(&call(Norm::Layer, rows, d), &H200).unwrap();
+            let sums = plan.gradients.sums.unwrap();
+            assert_eq!(sums.params.groups as usize, groups, "{rows}×{d}");
+            assert_eq!(sums.params.chained != 0, chained, "{rows}×{d}");
+            // dγ and dβ: slabs of 8 columns chained, else of 32.
+            let slab = if chained { CHAIN_COLUMNS } else { 32 };
+            assert_eq!(sums.grid, 2 * d / slab, "{rows}×{d}");
+        }
+    }
+
+    #[test]
     fn narrow_rows_take_segment_teams_a_block_per_group() {
         for (d, name) in [
             (128, "layer_norm_bwd_bf16_v1l16"),

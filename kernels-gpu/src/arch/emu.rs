@@ -320,6 +320,18 @@ pub fn shfl_xor(v: f32, lane_mask: u32) -> f32 {
     f32::from_bits(out)
 }
 
+/// Lane `src_lane`'s value, exchanged as [`shfl_xor`] does.
+pub fn shfl_idx(v: f32, src_lane: u32) -> f32 {
+    let (cluster, rank, tid) = with_ctx(|c| (c.cluster.clone(), c.rank, c.tid));
+    let block = &cluster.blocks[rank];
+    let warp = tid / WARP;
+    block.warp_slots[tid].store(v.to_bits(), Ordering::SeqCst);
+    block.warp_barriers[warp].wait(block.idx, "warp shuffle");
+    let out = block.warp_slots[warp * WARP + src_lane as usize % WARP].load(Ordering::SeqCst);
+    block.warp_barriers[warp].wait(block.idx, "warp shuffle");
+    f32::from_bits(out)
+}
+
 /// [`shfl_xor`] within this lane's aligned segment of `lanes` lanes: only the segment waits for
 /// itself, so segments of one warp may diverge, as on the GPU.
 pub fn shfl_xor_within(v: f32, lane_mask: u32, lanes: usize) -> f32 {

@@ -150,6 +150,23 @@ pub fn shfl_xor_within(v: f32, lane_mask: u32, lanes: usize) -> f32 {
     f32::from_bits(out)
 }
 
+/// Indexed shuffle over the full warp: returns `v` of lane `src_lane`. Not pure, as
+/// [`shfl_xor`].
+#[inline(always)]
+pub fn shfl_idx(v: f32, src_lane: u32) -> f32 {
+    let out: u32;
+    unsafe {
+        asm!(
+            "shfl.sync.idx.b32 {out}, {v}, {src}, 0x1f, 0xffffffff;",
+            out = out(reg32) out,
+            v = in(reg32) v.to_bits(),
+            src = in(reg32) src_lane,
+            options(nostack, preserves_flags)
+        );
+    }
+    f32::from_bits(out)
+}
+
 /// The launch-sized dynamic shared memory of the block, seen as f32 words.
 #[derive(Clone, Copy)]
 pub struct SharedF32(*mut f32);

@@ -88,9 +88,10 @@ fn strategies_agree<B: Backend>(
 
 /// Small batches (groups of one row), odd and unaligned rows (one element per access), strided
 /// rows with an offset, rows not a multiple of the groups, and more groups than the sums' 16
-/// slices (the emulator is slow per row: few rows, many groups; 263 groups of 16 rows of 4).
+/// slices and than one round of the column sum's loads, so two-pass takes the chained sum (the
+/// emulator is slow per row: few rows, many groups; 525 groups of 16 rows of 4).
 const EMULATOR_SHAPES: [Shape; 7] = [
-    (4200, 4, 4, 0),
+    (8400, 4, 4, 0),
     (1, 64, 64, 0),
     (8, 256, 256, 0),
     (17, 130, 133, 3),
@@ -134,8 +135,11 @@ fn gpu_single_launch_matches_two_pass_and_atomics_match_the_reference() {
         .collect();
     // Small batches at the latency targets' widths, a register tile with many groups, a staged
     // cluster tile with small groups (f32 rows of 8192 need a cluster), wide rows over clusters,
-    // and unaligned ones.
+    // unaligned ones, and narrow rows of more groups than one round of the column sum's loads
+    // (two-pass takes the chained sum: 1024 groups of segment teams, 2500 of 16 rows of 300).
     let shapes = [
+        (131072, 128, 128, 0),
+        (40000, 300, 300, 0),
         (1, 4096, 4096, 0),
         (64, 4096, 4096, 0),
         (256, 8192, 8192, 0),
