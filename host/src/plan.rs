@@ -406,7 +406,8 @@ pub(crate) enum GradientsOf {
 /// single launch no slower than two-pass at 2²⁶ elements (`bench-results/h200.md`, fourteenth
 /// session): rows of up to 256 elements (segment teams, at most 1024 groups) and of 513 to 8192.
 /// Rows of 257–512 take up to 8192 groups, which the row kernel's resident blocks sum more slowly
-/// than the column-sum kernel (70 against 78 % of copy at 262144×512), and rows wider than 8192
+/// than the (chained) column-sum kernel (RMSNorm 70 against 82 % of copy at 262144×512,
+/// twenty-seventh and twenty-eighth sessions), and rows wider than 8192
 /// lost 2.6–4 points; the activations' dbias lost 1.5 at 16384×4096 and keeps two launches there.
 fn auto_single_launch(of: GradientsOf, rows: usize, d: usize) -> bool {
     rows.saturating_mul(d) <= AUTO_SINGLE_LAUNCH_MAX_ELEMS

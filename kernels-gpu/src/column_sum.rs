@@ -152,15 +152,15 @@ pub const CHAIN_PARTS: usize = WARP / CHAIN_COLUMNS;
 /// a quarter of the loads and slabs four times wider: wide rows' one-column sums were
 /// latency-bound walking thousands of slabs of 32 columns (`bench-results/h200.md`).
 ///
-/// # Safety
-/// The params describe valid buffers.
-///
 /// Many groups (more than [`COLUMN_SUM_ROUND_GROUPS`]) take each slice through several rounds of
 /// loads, one round trip each, and few slabs leave most SMs idle: 4096 groups of rows of 512 are
 /// 8 round trips on 16 blocks. The chained sum (`chained`) keeps [`CHAIN_PARTS`] rounds of a
 /// slice in flight at once, on four times as many blocks, and adds them in the same order: the
 /// round's part adds its loads to the running sum of the rounds before, then hands the sum to
 /// the next part with a shuffle. Same order, same bits.
+///
+/// # Safety
+/// The params describe valid buffers.
 #[inline(always)]
 pub unsafe fn column_sum<T: Element>(p: &ColumnSumParams) {
     unsafe {
