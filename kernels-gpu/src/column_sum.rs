@@ -132,7 +132,7 @@ const COLUMN_SUM_UNROLL: usize = 32;
 pub const COLUMN_SUM_SLICES: usize = COLUMN_SUM_THREADS / WARP;
 /// Columns per thread of the vector column sum: one 16-byte load of f32.
 pub const COLUMN_SUM_VECTOR: usize = 4;
-/// Groups one round of every slice covers (each slice's thread [`COLUMN_SUM_UNROLL`] of them):
+/// Groups one round of every slice covers (32 loads by each slice's thread):
 /// more groups than this take the chained sum, which keeps several rounds in flight.
 pub const COLUMN_SUM_ROUND_GROUPS: usize = COLUMN_SUM_UNROLL * COLUMN_SUM_SLICES;
 /// Columns of a slab of the chained column sum: a warp is one slice of 8 columns, its four
