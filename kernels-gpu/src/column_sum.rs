@@ -233,6 +233,9 @@ unsafe fn column_sum_chained<T: Element>(p: &ColumnSumParams) {
     let (lane, slice) = (tid % WARP, tid / WARP);
     let (column, part) = (lane % CHAIN_COLUMNS, lane / CHAIN_COLUMNS);
     let (d, groups) = (p.d as usize, p.groups as usize);
+    // The slab walk and the final slice total repeat `column_sum_by`'s: one helper for both
+    // changed the code of the in-launch sum that every backward calls (ptxas: the sm_80
+    // `act_bwd_dbias_*_s` kernels 40 → 56 registers), so each keeps its own.
     let slabs = d.div_ceil(CHAIN_COLUMNS);
     let sums = if p.out2 != 0 { 2 } else { 1 };
     let mut item = arch::block_idx();

@@ -308,26 +308,22 @@ pub fn sync_cluster() {
 /// Every lane of the warp publishes its value, waits for the whole warp, reads its partner's, and
 /// waits again so no slot is overwritten before it was read. A missing lane is reported.
 pub fn shfl_xor(v: f32, lane_mask: u32) -> f32 {
-    let (cluster, rank, tid) = with_ctx(|c| (c.cluster.clone(), c.rank, c.tid));
-    let block = &cluster.blocks[rank];
-    let warp = tid / WARP;
-    let lane = tid % WARP;
-    let partner = lane ^ (lane_mask as usize & (WARP - 1));
-    block.warp_slots[tid].store(v.to_bits(), Ordering::SeqCst);
-    block.warp_barriers[warp].wait(block.idx, "warp shuffle");
-    let out = block.warp_slots[warp * WARP + partner].load(Ordering::SeqCst);
-    block.warp_barriers[warp].wait(block.idx, "warp shuffle");
-    f32::from_bits(out)
+    warp_exchange(v, |lane| lane ^ (lane_mask as usize & (WARP - 1)))
 }
 
 /// Lane `src_lane`'s value, exchanged as [`shfl_xor`] does.
 pub fn shfl_idx(v: f32, src_lane: u32) -> f32 {
+    warp_exchange(v, |_| src_lane as usize % WARP)
+}
+
+/// The warp-wide exchange of the shuffles: this lane's value out, lane `partner(lane)`'s in.
+fn warp_exchange(v: f32, partner: impl Fn(usize) -> usize) -> f32 {
     let (cluster, rank, tid) = with_ctx(|c| (c.cluster.clone(), c.rank, c.tid));
     let block = &cluster.blocks[rank];
     let warp = tid / WARP;
     block.warp_slots[tid].store(v.to_bits(), Ordering::SeqCst);
     block.warp_barriers[warp].wait(block.idx, "warp shuffle");
-    let out = block.warp_slots[warp * WARP + src_lane as usize % WARP].load(Ordering::SeqCst);
+    let out = block.warp_slots[warp * WARP + partner(tid % WARP)].load(Ordering::SeqCst);
     block.warp_barriers[warp].wait(block.idx, "warp shuffle");
     f32::from_bits(out)
 }
