@@ -2,7 +2,7 @@
 //! sum of the dγ and dβ partials).
 
 use normkern_gpu::kernel::Dtype as KernelDtype;
-use normkern_gpu::norm::policy::plain_adds_dresidual;
+use normkern_gpu::norm::policy::{block_takes_ring, plain_adds_dresidual};
 use normkern_gpu::norm::{BACKWARD, BackwardParams, Norm, NormKey, STREAM};
 
 use super::{RowLaunch, check_config, inv, params_f32, stored_f32, stride_in_elems};
@@ -11,7 +11,8 @@ use crate::error::{Error, Result};
 use crate::executor::{Device, Executor, Launch, optional_input, optional_output};
 use crate::plan::{
     CLUSTER_SIZES, GradientPlan, GradientsOf, ParamGradients, Partials, STREAM_THREADS,
-    check_gradients, gradient_plan, gradient_workspace_len, packs_fit,
+    check_gradients, gradient_plan, gradient_workspace_len, packs_fit, persistent_grid,
+    threads_within_shared,
 };
 use crate::tensor::{Buffer, Dtype, Rows, expect_len};
 
@@ -322,6 +323,33 @@ fn backward_cluster_sizes(norm: Norm, adds_residual: bool) -> &'static [usize] {
     }
 }
 
+/// Swaps a block tile's kernel for its ring instance where [`block_takes_ring`] says, on a device
+/// that runs it (sm_90: the ring's bulk copies come with clusters) with the block it was planned
+/// for; `work` items (dγ groups) for its persistent grid.
+// Launch arithmetic on a planned launch.
+#[allow(clippy::arithmetic_side_effects)]
+fn take_ring(
+    device: &dyn Device,
+    launch: &mut Launch<NormKey, BackwardParams>,
+    work: usize,
+) -> Result<()> {
+    let key = launch.kernel.key;
+    if !block_takes_ring(key, launch.block) || device.max_cluster() < 2 {
+        return Ok(());
+    }
+    let Some(ring) = BACKWARD.find(&NormKey { ring: true, ..key }) else {
+        return Ok(());
+    };
+    let shared_bytes = (ring.shared_bytes)(launch.block);
+    let limit = threads_within_shared(ring.large_shared, ring.shared_bytes, device.shared_opt_in());
+    if device.max_threads(ring.entry())?.min(limit) < launch.block {
+        return Ok(());
+    }
+    let grid = persistent_grid(device, ring.entry(), work, launch.block, 1, shared_bytes)?;
+    (launch.kernel, launch.shared_bytes, launch.grid) = (ring, shared_bytes, grid);
+    Ok(())
+}
+
 /// The launches of a backward: the dx + partials kernel (none for no rows), then the
 /// fixed-order column sums of dγ and dβ.
 pub(crate) struct Plan {
@@ -431,6 +459,7 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
                 problem: "a benchmark baseline for rows one block holds in registers",
             });
         }
+        take_ring(device, &mut launch, gradients.groups)?;
         launch.params.sums = gradients.fit(device, &mut launch, gradients.groups)?;
         rows_launch = Some(launch);
     }
@@ -515,6 +544,33 @@ pub(crate) mod tests {
             // dγ and dβ: slabs of 8 columns chained, else of 32.
             let slab = if chained { CHAIN_COLUMNS } else { 32 };
             assert_eq!(sums.grid, 2 * d / slab, "{rows}×{d}");
+        }
+    }
+
+    #[test]
+    fn layer_norm_blocks_of_four_warps_take_the_ring_instance() {
+        // (norm, d, kernel, block): LayerNorm's one-access tile of 128 and 256 threads stages its
+        // rows in its ring instance; of 64 threads (d = 512), with a dresidual, and RMSNorm's
+        // (staged in its block instance) keep the block instance.
+        for (norm, d, dresidual, name, block) in [
+            (Norm::Layer, 1024, false, "layer_norm_bwd_bf16_v1r", 128),
+            (Norm::Layer, 2048, false, "layer_norm_bwd_bf16_v1r", 256),
+            (Norm::Layer, 512, false, "layer_norm_bwd_bf16_v1", 64),
+            (Norm::Layer, 1024, true, "layer_norm_bwd_res_bf16_v1", 128),
+            (Norm::Rms, 1024, false, "rms_norm_bwd_bf16_v1", 128),
+        ] {
+            let mut c = call(norm, 65536, d);
+            if dresidual {
+                c.dresidual = (c.dx.0 + (1 << 30), d);
+            }
+            let rows = plan(&c, &H200).unwrap().rows.unwrap();
+            assert_eq!(
+                (rows.kernel.name, rows.block, rows.cluster),
+                (name, block, 1),
+                "{d}"
+            );
+            // The ring needs more than the default 48 KiB at 256 threads: the kernel opts in.
+            assert_eq!(rows.shared_bytes, (rows.kernel.shared_bytes)(block));
         }
     }
 
@@ -762,6 +818,7 @@ pub(crate) mod tests {
             vpt,
             cluster,
             lanes: 0,
+            ring: false,
         };
         let staged = BACKWARD.find(&key(4, true, false)).unwrap();
         assert!(staged.large_shared);

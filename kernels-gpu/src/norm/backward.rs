@@ -30,6 +30,7 @@ pub unsafe fn backward<
     const RESIDUAL: bool,
     const CLUSTER: bool,
     const LANES: usize,
+    const RING: bool,
 >(
     p: &BackwardParams,
 ) {
@@ -39,7 +40,17 @@ pub unsafe fn backward<
     } else {
         arch::block_dim()
     };
-    let slots = backward_words(N::CENTERED, VEC, VPT, RESIDUAL, CLUSTER, LANES, threads).0;
+    let slots = backward_words(
+        N::CENTERED,
+        VEC,
+        VPT,
+        RESIDUAL,
+        CLUSTER,
+        LANES,
+        RING,
+        threads,
+    )
+    .0;
     let plain = Plain::backward(p, plain_adds_dresidual(VPT, LANES), slots);
     let area = combine_words(
         gamma_end(N::CENTERED, VPT, LANES, SEGMENT_THREADS),
@@ -57,8 +68,13 @@ pub unsafe fn backward<
             }
             (true, false) => backward_stream::<T, VEC, N, _>(p, plain, team),
             (true, true) => backward_stream::<T, VEC, N, _>(p, ResidualBackward::new(p), team),
+            // A ring instance compiles the register prefetch beside the ring, as RMSNorm's staged
+            // block tile does, though the host launches it only in blocks the ring serves
+            // (`policy::block_takes_ring`): ptxas then gives it 96 registers at 16 bits instead
+            // of 80, with which the ring path ran 6 % shorter (`bench-results/h200.md`,
+            // twenty-ninth session, round 16).
             (false, false)
-                if staged(N::CENTERED, VEC, CLUSTER, RESIDUAL, VPT, LANES)
+                if (RING || staged(N::CENTERED, VEC, CLUSTER, RESIDUAL, VPT, LANES))
                     && (CLUSTER || block_stages_rows(arch::block_dim())) =>
             {
                 backward_staged::<T, VEC, VPT, N>(p, plain, team)

@@ -63,6 +63,8 @@ pub unsafe fn forward<
     const RESIDUAL: bool,
     const CLUSTER: bool,
     const LANES: usize,
+    // The backward's ring block tiles (`NormKey::ring`); no forward has one.
+    const RING: bool,
 >(
     p: &ForwardParams,
 ) {

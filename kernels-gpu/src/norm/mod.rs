@@ -115,6 +115,10 @@ pub struct NormKey {
     /// A row is taken by a team of this many lanes of a warp (`segments`), several rows per
     /// warp; 0: by the block or the cluster.
     pub lanes: usize,
+    /// A backward block tile the host launches only where it stages its rows through the copy
+    /// engine's ring ([`policy::block_takes_ring`]); its block instance is then sized for the
+    /// register prefetch alone.
+    pub ring: bool,
 }
 
 impl NormKey {
@@ -128,6 +132,7 @@ impl NormKey {
             vpt: STREAM,
             cluster: false,
             lanes: 0,
+            ring: false,
         }
     }
 }
@@ -143,12 +148,12 @@ macro_rules! norm_kernels {
         register_tiles: $tiles:tt;
         $( $table:ident: $params:ty = $body:ident, shared $shared:ident, large $large:ident,
             registers $registers:ident, segments $segs:tt, single segments $ssegs:tt {
-            $( $name:literal => $norm:ident, residual $res:literal, single $single:ident; )*
+            $( $name:literal => $norm:ident, residual $res:literal, single $single:ident, ring $ring:ident; )*
         } )*
     ) => {
         $( $(
             #[cfg(target_arch = "nvptx64")]
-            norm_kernels!(@export $name, $params, $body, $norm, $res, $single, $tiles, $segs, $ssegs);
+            norm_kernels!(@export $name, $params, $body, $norm, $res, $single, $ring, $tiles, $segs, $ssegs);
         )* )*
         $(
             #[cfg(not(target_arch = "nvptx64"))]
@@ -157,84 +162,109 @@ macro_rules! norm_kernels {
                     norm_kernels!(@group $name, "f32", F32, $params, $body, ($shared, $large, $registers), $norm, $res, packed, $tiles, $segs),
                     norm_kernels!(@group $name, "f32", F32, $params, $body, ($shared, $large, $registers), $norm, $res, $single, $tiles, $ssegs),
                     norm_kernels!(@group $name, "f32", F32, $params, $body, ($shared, $large, $registers), $norm, $res, cluster, $tiles, []),
+                    norm_kernels!(@ring $ring, $name, "f32", F32, $params, $body, ($shared, $large, $registers), $norm, $res),
                     norm_kernels!(@group $name, "f16", F16, $params, $body, ($shared, $large, $registers), $norm, $res, packed, $tiles, $segs),
                     norm_kernels!(@group $name, "f16", F16, $params, $body, ($shared, $large, $registers), $norm, $res, $single, $tiles, $ssegs),
                     norm_kernels!(@group $name, "f16", F16, $params, $body, ($shared, $large, $registers), $norm, $res, cluster, $tiles, []),
+                    norm_kernels!(@ring $ring, $name, "f16", F16, $params, $body, ($shared, $large, $registers), $norm, $res),
                     norm_kernels!(@group $name, "bf16", Bf16, $params, $body, ($shared, $large, $registers), $norm, $res, packed, $tiles, $segs),
                     norm_kernels!(@group $name, "bf16", Bf16, $params, $body, ($shared, $large, $registers), $norm, $res, $single, $tiles, $ssegs),
                     norm_kernels!(@group $name, "bf16", Bf16, $params, $body, ($shared, $large, $registers), $norm, $res, cluster, $tiles, []),
+                    norm_kernels!(@ring $ring, $name, "bf16", Bf16, $params, $body, ($shared, $large, $registers), $norm, $res),
                 ]
             ),*]);
         )*
     };
 
     // The PTX entries of one line.
-    (@export $name:literal, $params:ty, $body:ident, $norm:ident, $res:literal, $single:ident, $tiles:tt, $segs:tt, $ssegs:tt) => {
+    (@export $name:literal, $params:ty, $body:ident, $norm:ident, $res:literal, $single:ident, $ring:ident, $tiles:tt, $segs:tt, $ssegs:tt) => {
         norm_kernels!(@export_dtype $name, "f32", F32, $params, $body, $norm, $res, $single, $tiles, $segs, $ssegs);
         norm_kernels!(@export_dtype $name, "f16", F16, $params, $body, $norm, $res, $single, $tiles, $segs, $ssegs);
         norm_kernels!(@export_dtype $name, "bf16", Bf16, $params, $body, $norm, $res, $single, $tiles, $segs, $ssegs);
+        norm_kernels!(@export_ring $ring, $name, $params, $body, $norm, $res);
+    };
+    // The ring block tile (`NormKey::ring`): packed, one access per thread, sm_90 (its bulk
+    // copies are the copy engine's only there).
+    (@export_ring none, $name:literal, $params:ty, $body:ident, $norm:ident, $res:literal) => {};
+    (@export_ring block, $name:literal, $params:ty, $body:ident, $norm:ident, $res:literal) => {
+        #[cfg(target_feature = "sm_90")]
+        const _: () = {
+            norm_kernels!(@export_one concat!($name, "_f32_v1r"), $params, $body, F32, true, 1, $norm, $res, false, 0, true);
+            norm_kernels!(@export_one concat!($name, "_f16_v1r"), $params, $body, F16, true, 1, $norm, $res, false, 0, true);
+            norm_kernels!(@export_one concat!($name, "_bf16_v1r"), $params, $body, Bf16, true, 1, $norm, $res, false, 0, true);
+        };
     };
     (@export_dtype $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $norm:ident,
         $res:literal, $single:ident, [$($vpt:literal $sfx:literal),*], [$(($svpt:literal, $slanes:literal)),*], $ssegs:tt) => {
-        $( norm_kernels!(@export_one concat!($name, "_", $dn, "_v", $sfx), $params, $body, $t, true, $vpt, $norm, $res, false, 0); )*
-        norm_kernels!(@export_one concat!($name, "_", $dn, "_vx"), $params, $body, $t, true, 0, $norm, $res, false, 0);
-        $( norm_kernels!(@export_one concat!($name, "_", $dn, "_v", $svpt, "l", $slanes), $params, $body, $t, true, $svpt, $norm, $res, false, $slanes); )*
+        $( norm_kernels!(@export_one concat!($name, "_", $dn, "_v", $sfx), $params, $body, $t, true, $vpt, $norm, $res, false, 0, false); )*
+        norm_kernels!(@export_one concat!($name, "_", $dn, "_vx"), $params, $body, $t, true, 0, $norm, $res, false, 0, false);
+        $( norm_kernels!(@export_one concat!($name, "_", $dn, "_v", $svpt, "l", $slanes), $params, $body, $t, true, $svpt, $norm, $res, false, $slanes, false); )*
         norm_kernels!(@export_single $single, $name, $dn, $t, $params, $body, $norm, $res, [$($vpt $sfx),*], $ssegs);
         // Clusters exist from sm_90 on: only that build compiles these.
         #[cfg(target_feature = "sm_90")]
         const _: () = {
-            $( norm_kernels!(@export_one concat!($name, "_", $dn, "_v", $sfx, "c"), $params, $body, $t, true, $vpt, $norm, $res, true, 0); )*
-            norm_kernels!(@export_one concat!($name, "_", $dn, "_vxc"), $params, $body, $t, true, 0, $norm, $res, true, 0);
+            $( norm_kernels!(@export_one concat!($name, "_", $dn, "_v", $sfx, "c"), $params, $body, $t, true, $vpt, $norm, $res, true, 0, false); )*
+            norm_kernels!(@export_one concat!($name, "_", $dn, "_vxc"), $params, $body, $t, true, 0, $norm, $res, true, 0, false);
         };
     };
     (@export_single all, $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $norm:ident,
         $res:literal, [$($vpt:literal $sfx:literal),*], [$(($svpt:literal, $slanes:literal)),*]) => {
-        $( norm_kernels!(@export_one concat!($name, "_", $dn, "_s", $sfx), $params, $body, $t, false, $vpt, $norm, $res, false, 0); )*
-        norm_kernels!(@export_one concat!($name, "_", $dn, "_sx"), $params, $body, $t, false, 0, $norm, $res, false, 0);
-        $( norm_kernels!(@export_one concat!($name, "_", $dn, "_s", $svpt, "l", $slanes), $params, $body, $t, false, $svpt, $norm, $res, false, $slanes); )*
+        $( norm_kernels!(@export_one concat!($name, "_", $dn, "_s", $sfx), $params, $body, $t, false, $vpt, $norm, $res, false, 0, false); )*
+        norm_kernels!(@export_one concat!($name, "_", $dn, "_sx"), $params, $body, $t, false, 0, $norm, $res, false, 0, false);
+        $( norm_kernels!(@export_one concat!($name, "_", $dn, "_s", $svpt, "l", $slanes), $params, $body, $t, false, $svpt, $norm, $res, false, $slanes, false); )*
     };
     (@export_single stream, $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $norm:ident,
         $res:literal, $tiles:tt, $ssegs:tt) => {
-        norm_kernels!(@export_one concat!($name, "_", $dn, "_sx"), $params, $body, $t, false, 0, $norm, $res, false, 0);
+        norm_kernels!(@export_one concat!($name, "_", $dn, "_sx"), $params, $body, $t, false, 0, $norm, $res, false, 0, false);
     };
     (@export_one $entry:expr, $params:ty, $body:ident, $t:ident, $vec:literal, $vpt:literal, $norm:ident,
-        $res:literal, $cluster:literal, $lanes:literal) => {
+        $res:literal, $cluster:literal, $lanes:literal, $ring:literal) => {
         $crate::kernel::kernel!(export $entry, $params,
-            $body::<$crate::element::$t, $vec, $vpt, $norm, $res, $cluster, $lanes>);
+            $body::<$crate::element::$t, $vec, $vpt, $norm, $res, $cluster, $lanes, $ring>);
     };
 
     // The table entries of one line, one group per (dtype, access).
     (@group $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $policy:tt,
         $norm:ident, $res:literal, packed, [$($vpt:literal $sfx:literal),*], [$(($svpt:literal, $slanes:literal)),*]) => {
         &[
-            $( norm_kernels!(@entry concat!($name, "_", $dn, "_v", $sfx), $t, $params, $body, $policy, $norm, $res, true, $vpt, false, 0, 80), )*
-            norm_kernels!(@entry concat!($name, "_", $dn, "_vx"), $t, $params, $body, $policy, $norm, $res, true, 0, false, 0, 80),
-            $( norm_kernels!(@entry concat!($name, "_", $dn, "_v", $svpt, "l", $slanes), $t, $params, $body, $policy, $norm, $res, true, $svpt, false, $slanes, 80), )*
+            $( norm_kernels!(@entry concat!($name, "_", $dn, "_v", $sfx), $t, $params, $body, $policy, $norm, $res, true, $vpt, false, 0, false, 80), )*
+            norm_kernels!(@entry concat!($name, "_", $dn, "_vx"), $t, $params, $body, $policy, $norm, $res, true, 0, false, 0, false, 80),
+            $( norm_kernels!(@entry concat!($name, "_", $dn, "_v", $svpt, "l", $slanes), $t, $params, $body, $policy, $norm, $res, true, $svpt, false, $slanes, false, 80), )*
         ]
     };
     (@group $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $policy:tt,
         $norm:ident, $res:literal, all, [$($vpt:literal $sfx:literal),*], [$(($svpt:literal, $slanes:literal)),*]) => {
         &[
-            $( norm_kernels!(@entry concat!($name, "_", $dn, "_s", $sfx), $t, $params, $body, $policy, $norm, $res, false, $vpt, false, 0, 80), )*
-            norm_kernels!(@entry concat!($name, "_", $dn, "_sx"), $t, $params, $body, $policy, $norm, $res, false, 0, false, 0, 80),
-            $( norm_kernels!(@entry concat!($name, "_", $dn, "_s", $svpt, "l", $slanes), $t, $params, $body, $policy, $norm, $res, false, $svpt, false, $slanes, 80), )*
+            $( norm_kernels!(@entry concat!($name, "_", $dn, "_s", $sfx), $t, $params, $body, $policy, $norm, $res, false, $vpt, false, 0, false, 80), )*
+            norm_kernels!(@entry concat!($name, "_", $dn, "_sx"), $t, $params, $body, $policy, $norm, $res, false, 0, false, 0, false, 80),
+            $( norm_kernels!(@entry concat!($name, "_", $dn, "_s", $svpt, "l", $slanes), $t, $params, $body, $policy, $norm, $res, false, $svpt, false, $slanes, false, 80), )*
         ]
     };
     (@group $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $policy:tt,
         $norm:ident, $res:literal, stream, $tiles:tt, $ssegs:tt) => {
         &[
-            norm_kernels!(@entry concat!($name, "_", $dn, "_sx"), $t, $params, $body, $policy, $norm, $res, false, 0, false, 0, 80),
+            norm_kernels!(@entry concat!($name, "_", $dn, "_sx"), $t, $params, $body, $policy, $norm, $res, false, 0, false, 0, false, 80),
         ]
     };
     (@group $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $policy:tt,
         $norm:ident, $res:literal, cluster, [$($vpt:literal $sfx:literal),*], []) => {
         &[
-            $( norm_kernels!(@entry concat!($name, "_", $dn, "_v", $sfx, "c"), $t, $params, $body, $policy, $norm, $res, true, $vpt, true, 0, 90), )*
-            norm_kernels!(@entry concat!($name, "_", $dn, "_vxc"), $t, $params, $body, $policy, $norm, $res, true, 0, true, 0, 90),
+            $( norm_kernels!(@entry concat!($name, "_", $dn, "_v", $sfx, "c"), $t, $params, $body, $policy, $norm, $res, true, $vpt, true, 0, false, 90), )*
+            norm_kernels!(@entry concat!($name, "_", $dn, "_vxc"), $t, $params, $body, $policy, $norm, $res, true, 0, true, 0, false, 90),
+        ]
+    };
+    (@ring none, $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $policy:tt,
+        $norm:ident, $res:literal) => {
+        &[]
+    };
+    (@ring block, $name:literal, $dn:literal, $t:ident, $params:ty, $body:ident, $policy:tt,
+        $norm:ident, $res:literal) => {
+        &[
+            norm_kernels!(@entry concat!($name, "_", $dn, "_v1r"), $t, $params, $body, $policy, $norm, $res, true, 1, false, 0, true, 90),
         ]
     };
     (@entry $entry:expr, $t:ident, $params:ty, $body:ident, ($shared:ident, $large:ident, $registers:ident),
-        $norm:ident, $res:literal, $vec:literal, $vpt:literal, $cluster:literal, $lanes:literal, $arch:literal) => {{
+        $norm:ident, $res:literal, $vec:literal, $vpt:literal, $cluster:literal, $lanes:literal, $ring:literal, $arch:literal) => {{
         const KEY: NormKey = NormKey {
             norm: <$norm as Normalization>::NORM,
             residual: $res,
@@ -243,12 +273,13 @@ macro_rules! norm_kernels {
             vpt: $vpt,
             cluster: $cluster,
             lanes: $lanes,
+            ring: $ring,
         };
         $crate::kernel::kernel!(table $entry, KEY, $arch,
-            $shared::<$norm, $vec, $vpt, $res, $cluster, $lanes>,
+            $shared::<$norm, $vec, $vpt, $res, $cluster, $lanes, $ring>,
             $large(KEY),
             $registers(KEY),
-            $body::<$crate::element::$t, $vec, $vpt, $norm, $res, $cluster, $lanes>)
+            $body::<$crate::element::$t, $vec, $vpt, $norm, $res, $cluster, $lanes, $ring>)
     }};
 }
 
@@ -264,20 +295,20 @@ norm_kernels! {
     FORWARD: ForwardParams = forward, shared forward_shared_bytes, large forward_large_shared,
         registers forward_register_budget, segments [(2, 8), (2, 16), (4, 16), (4, 32)],
         single segments [(4, 32)] {
-        "rms_norm_fwd" => RmsNorm, residual false, single all;
-        "layer_norm_fwd" => LayerNorm, residual false, single all;
+        "rms_norm_fwd" => RmsNorm, residual false, single all, ring none;
+        "layer_norm_fwd" => LayerNorm, residual false, single all, ring none;
         // Single-element access serves only views that are not 16-byte aligned: register tiles for
         // it would add a third to the residual kernels' PTX for a path that is slow anyway.
-        "rms_norm_fwd_res" => RmsNorm, residual true, single stream;
-        "layer_norm_fwd_res" => LayerNorm, residual true, single stream;
+        "rms_norm_fwd_res" => RmsNorm, residual true, single stream, ring none;
+        "layer_norm_fwd_res" => LayerNorm, residual true, single stream, ring none;
     }
 
     BACKWARD: BackwardParams = backward, shared backward_shared_bytes, large backward_large_shared,
         registers backward_register_budget, segments [(1, 16), (1, 32)],
         single segments [(4, 32)] {
-        "rms_norm_bwd" => RmsNorm, residual false, single all;
-        "layer_norm_bwd" => LayerNorm, residual false, single all;
-        "rms_norm_bwd_res" => RmsNorm, residual true, single stream;
-        "layer_norm_bwd_res" => LayerNorm, residual true, single stream;
+        "rms_norm_bwd" => RmsNorm, residual false, single all, ring none;
+        "layer_norm_bwd" => LayerNorm, residual false, single all, ring block;
+        "rms_norm_bwd_res" => RmsNorm, residual true, single stream, ring none;
+        "layer_norm_bwd_res" => LayerNorm, residual true, single stream, ring none;
     }
 }

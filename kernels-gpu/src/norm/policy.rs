@@ -161,6 +161,23 @@ pub const fn block_stages_rows(threads: usize) -> bool {
     arch::SM_90 && threads >= 128
 }
 
+/// Whether a backward block tile (`key`, its `ring` unset) of `threads` threads runs its ring
+/// instance instead (`NormKey::ring`, sm_90): LayerNorm's plain packed one-access tile in blocks
+/// where [`block_stages_rows`] (rows of 1024–2048 16-bit elements). Why two instances: compiled
+/// with the ring beside the prefetch, as RMSNorm's one instance is, ptxas gives the tile 96
+/// registers at 16 bits, which the ring's blocks run faster with but which cost the prefetch's
+/// 64-thread blocks (rows of 512) two blocks per SM; the block instance, prefetch only, keeps 80.
+/// Measured both ways in `bench-results/h200.md` (twenty-eighth to thirtieth sessions).
+pub const fn block_takes_ring(key: NormKey, threads: usize) -> bool {
+    matches!(key.norm, Norm::Layer)
+        && !key.residual
+        && key.vec
+        && key.vpt == 1
+        && !key.cluster
+        && key.lanes == 0
+        && block_stages_rows(threads)
+}
+
 /// The first word past the reducer's and γ's ([`gamma_in_shared`]) of a backward block of
 /// `threads` threads with `vpt` accesses each.
 pub(super) const fn gamma_end(centered: bool, vpt: usize, lanes: usize, threads: usize) -> usize {
@@ -179,6 +196,7 @@ pub fn forward_shared_bytes<
     const RESIDUAL: bool,
     const CLUSTER: bool,
     const LANES: usize,
+    const RING: bool,
 >(
     threads: usize,
 ) -> usize {
@@ -190,6 +208,7 @@ pub fn forward_shared_bytes<
 /// reducer's words, γ where [`gamma_in_shared`], the rows in flight where [`staged`] or the segment
 /// teams' combine area, then one 16-byte slot per access and thread that dresidual is copied into
 /// asynchronously while the row is reduced.
+#[allow(clippy::too_many_arguments)]
 pub(super) const fn backward_words(
     centered: bool,
     vec: bool,
@@ -197,12 +216,13 @@ pub(super) const fn backward_words(
     residual: bool,
     cluster: bool,
     lanes: usize,
+    ring: bool,
     threads: usize,
 ) -> (usize, usize) {
     let end = gamma_end(centered, vpt, lanes, threads);
     let words = if lanes != 0 {
         combine_words(end, vpt, lanes).1
-    } else if staged(centered, vec, cluster, residual, vpt, lanes) {
+    } else if ring || staged(centered, vec, cluster, residual, vpt, lanes) {
         staged_words_end(end, vpt, threads)
     } else {
         end
@@ -225,10 +245,21 @@ pub fn backward_shared_bytes<
     const RESIDUAL: bool,
     const CLUSTER: bool,
     const LANES: usize,
+    const RING: bool,
 >(
     threads: usize,
 ) -> usize {
-    backward_words(N::CENTERED, VEC, VPT, RESIDUAL, CLUSTER, LANES, threads).1 * 4
+    backward_words(
+        N::CENTERED,
+        VEC,
+        VPT,
+        RESIDUAL,
+        CLUSTER,
+        LANES,
+        RING,
+        threads,
+    )
+    .1 * 4
 }
 
 /// Whether a forward block may need more than the default 48 KiB of shared memory: those with
@@ -250,16 +281,17 @@ pub const fn backward_large_shared(key: NormKey) -> bool {
     staged_instance(key) || (!key.residual && plain_adds_dresidual(key.vpt, key.lanes))
 }
 
-/// [`staged`], of an instance's key.
+/// [`staged`], of an instance's key, or a ring instance.
 const fn staged_instance(key: NormKey) -> bool {
-    staged(
-        matches!(key.norm, Norm::Layer),
-        key.vec,
-        key.cluster,
-        key.residual,
-        key.vpt,
-        key.lanes,
-    )
+    key.ring
+        || staged(
+            matches!(key.norm, Norm::Layer),
+            key.vec,
+            key.cluster,
+            key.residual,
+            key.vpt,
+            key.lanes,
+        )
 }
 
 /// LayerNorm's plain 2-pack block tile, the one instance whose natural register allocation
@@ -322,7 +354,7 @@ pub const fn backward_register_budget(key: NormKey) -> u32 {
         // 152–164), yet measured faster than ptxas's choice without spills (RMSNorm 1048576×128
         // 84.4 against 77.2 % of copy, LayerNorm 77.9 against 75.8; eighteenth session).
         80
-    } else if key.dtype.bytes() == 2 && staged_block_tile(key) {
+    } else if key.dtype.bytes() == 2 && staged_block_tile(key) && !key.ring {
         // The staged block tile compiles the ring and the register prefetch side by side
         // ([`block_stages_rows`]): ptxas's choice of 94 registers at 16 bits keeps ten 64-thread
         // blocks per SM instead of twelve, which cost the prefetch 8 points (262144×512: 79.9 →

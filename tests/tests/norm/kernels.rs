@@ -123,6 +123,17 @@ fn emulator_layer_norm_two_access_forward_tiles_match_reference() {
     emulated::<f32>(Kind::Layer { bias: true }, &shapes);
 }
 
+/// LayerNorm's one-access backward in blocks of four warps or more takes its ring instance
+/// (`NormKey::ring`): packed rows of 1024 (128 threads at 16 bits, 256 at f32) on 40 groups of
+/// one row, and strided rows of 2048 with an offset.
+#[test]
+fn emulator_layer_norm_ring_block_tiles_match_reference() {
+    let shapes = [(40, 1024, 1024, 0), (7, 2048, 2056, 8)];
+    emulated::<bf16>(Kind::Layer { bias: true }, &shapes);
+    emulated::<f16>(Kind::Layer { bias: false }, &shapes);
+    emulated::<f32>(Kind::Layer { bias: true }, &shapes);
+}
+
 /// LayerNorm's streaming instance (rows too wide for registers: packed rows of 40000 bf16 without
 /// clusters, single-element rows of 8200) takes the variance from each thread's moments in the
 /// same pass as the mean (`rows::Moments`). Against the reference, and off-centre: rows whose mean
