@@ -2,7 +2,7 @@
 //! sum of the dγ and dβ partials).
 
 use normkern_gpu::kernel::Dtype as KernelDtype;
-use normkern_gpu::norm::policy::{block_takes_ring, plain_adds_dresidual};
+use normkern_gpu::norm::policy::{block_takes_ring, has_ring_instance, plain_adds_dresidual};
 use normkern_gpu::norm::{BACKWARD, BackwardParams, Norm, NormKey, STREAM};
 
 use super::{RowLaunch, check_config, inv, params_f32, stored_f32, stride_in_elems};
@@ -325,7 +325,8 @@ fn backward_cluster_sizes(norm: Norm, adds_residual: bool) -> &'static [usize] {
 
 /// Swaps a block tile's kernel for its ring instance where [`block_takes_ring`] says, on a device
 /// that runs it (sm_90: the ring's bulk copies come with clusters) with the block it was planned
-/// for; `work` items (dγ groups) for its persistent grid.
+/// for; `work` items (dγ groups) for its persistent grid. A small batch is one whose groups all
+/// have a resident block of the ring instance at once.
 // Launch arithmetic on a planned launch.
 #[allow(clippy::arithmetic_side_effects)]
 fn take_ring(
@@ -334,7 +335,7 @@ fn take_ring(
     work: usize,
 ) -> Result<()> {
     let key = launch.kernel.key;
-    if !block_takes_ring(key, launch.block) || device.max_cluster() < 2 {
+    if !has_ring_instance(key) || device.max_cluster() < 2 {
         return Ok(());
     }
     let Some(ring) = BACKWARD.find(&NormKey { ring: true, ..key }) else {
@@ -345,8 +346,13 @@ fn take_ring(
     if device.max_threads(ring.entry())?.min(limit) < launch.block {
         return Ok(());
     }
+    let resident = device.resident_blocks(ring.entry(), launch.block, shared_bytes)?;
+    if !block_takes_ring(key, launch.block, work <= resident) {
+        return Ok(());
+    }
     let grid = persistent_grid(device, ring.entry(), work, launch.block, 1, shared_bytes)?;
     (launch.kernel, launch.shared_bytes, launch.grid) = (ring, shared_bytes, grid);
+    launch.params.stage_rows = 1;
     Ok(())
 }
 
@@ -416,6 +422,7 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
             eps: call.eps,
             params_f32: call.params_f32 as u32,
             x_f32: call.x_f32 as u32,
+            stage_rows: 0,
             dresidual: call.dresidual.0,
             dresidual_stride: call.dresidual.1 as u64,
             sums: gradients.group_sums,
@@ -548,18 +555,87 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn layer_norm_blocks_of_four_warps_take_the_ring_instance() {
-        // (norm, d, kernel, block): LayerNorm's one-access tile of 128 and 256 threads stages its
-        // rows in its ring instance; of 64 threads (d = 512), with a dresidual, and RMSNorm's
-        // (staged in its block instance) keep the block instance.
-        for (norm, d, dresidual, name, block) in [
-            (Norm::Layer, 1024, false, "layer_norm_bwd_bf16_v1r", 128),
-            (Norm::Layer, 2048, false, "layer_norm_bwd_bf16_v1r", 256),
-            (Norm::Layer, 512, false, "layer_norm_bwd_bf16_v1", 64),
-            (Norm::Layer, 1024, true, "layer_norm_bwd_res_bf16_v1", 128),
-            (Norm::Rms, 1024, false, "rms_norm_bwd_bf16_v1", 128),
+    fn ring_instances_serve_layer_norm_blocks_of_four_warps_and_small_batches() {
+        // (norm, rows, d, dresidual, kernel, block, stage_rows): LayerNorm's one-access tile of
+        // 128 and 256 threads stages its rows in its ring instance; so does either norm's in a
+        // small batch (every dγ group a resident block), in blocks of any size; large batches
+        // in 64-thread blocks (d = 512), the dresidual tiles and RMSNorm's block instance
+        // where its groups outnumber its blocks keep the block instance.
+        for (norm, rows, d, dresidual, name, block, staged) in [
+            (
+                Norm::Layer,
+                65536,
+                1024,
+                false,
+                "layer_norm_bwd_bf16_v1r",
+                128,
+                true,
+            ),
+            (
+                Norm::Layer,
+                32768,
+                2048,
+                false,
+                "layer_norm_bwd_bf16_v1r",
+                256,
+                true,
+            ),
+            (
+                Norm::Layer,
+                262144,
+                512,
+                false,
+                "layer_norm_bwd_bf16_v1",
+                64,
+                false,
+            ),
+            (
+                Norm::Layer,
+                8192,
+                512,
+                false,
+                "layer_norm_bwd_bf16_v1r",
+                64,
+                true,
+            ),
+            (
+                Norm::Layer,
+                65536,
+                1024,
+                true,
+                "layer_norm_bwd_res_bf16_v1",
+                128,
+                false,
+            ),
+            (
+                Norm::Rms,
+                8192,
+                512,
+                false,
+                "rms_norm_bwd_bf16_v1r",
+                64,
+                true,
+            ),
+            (
+                Norm::Rms,
+                262144,
+                512,
+                false,
+                "rms_norm_bwd_bf16_v1",
+                64,
+                false,
+            ),
+            (
+                Norm::Rms,
+                4096,
+                1024,
+                false,
+                "rms_norm_bwd_bf16_v1r",
+                128,
+                true,
+            ),
         ] {
-            let mut c = call(norm, 65536, d);
+            let mut c = call(norm, rows, d);
             if dresidual {
                 c.dresidual = (c.dx.0 + (1 << 30), d);
             }
@@ -569,6 +645,7 @@ pub(crate) mod tests {
                 (name, block, 1),
                 "{d}"
             );
+            assert_eq!(rows.params.stage_rows != 0, staged, "{name}");
             // The ring needs more than the default 48 KiB at 256 threads: the kernel opts in.
             assert_eq!(rows.shared_bytes, (rows.kernel.shared_bytes)(block));
         }

@@ -68,14 +68,15 @@ pub unsafe fn backward<
             }
             (true, false) => backward_stream::<T, VEC, N, _>(p, plain, team),
             (true, true) => backward_stream::<T, VEC, N, _>(p, ResidualBackward::new(p), team),
-            // A ring instance compiles the register prefetch beside the ring, as RMSNorm's staged
-            // block tile does, though the host launches it only in blocks the ring serves
-            // (`policy::block_takes_ring`): ptxas then gives it 96 registers at 16 bits instead
-            // of 80, with which the ring path ran 6 % shorter (`bench-results/h200.md`,
-            // twenty-ninth session, round 16).
+            // A ring instance stages in any block where the host asks (`p.stage_rows`) and
+            // keeps the register prefetch for the others, as RMSNorm's block instance does: with
+            // both compiled ptxas gives it 96 registers at 16 bits instead of 80, with which the
+            // ring path ran 6 % shorter (`bench-results/h200.md`, twenty-ninth session, round 16).
             (false, false)
                 if (RING || staged(N::CENTERED, VEC, CLUSTER, RESIDUAL, VPT, LANES))
-                    && (CLUSTER || block_stages_rows(arch::block_dim())) =>
+                    && (CLUSTER
+                        || block_stages_rows(arch::block_dim())
+                        || (RING && p.stage_rows != 0)) =>
             {
                 backward_staged::<T, VEC, VPT, N>(p, plain, team)
             }

@@ -306,7 +306,7 @@ norm_kernels! {
     BACKWARD: BackwardParams = backward, shared backward_shared_bytes, large backward_large_shared,
         registers backward_register_budget, segments [(1, 16), (1, 32)],
         single segments [(4, 32)] {
-        "rms_norm_bwd" => RmsNorm, residual false, single all, ring none;
+        "rms_norm_bwd" => RmsNorm, residual false, single all, ring block;
         "layer_norm_bwd" => LayerNorm, residual false, single all, ring block;
         "rms_norm_bwd_res" => RmsNorm, residual true, single stream, ring none;
         "layer_norm_bwd_res" => LayerNorm, residual true, single stream, ring none;

@@ -67,6 +67,10 @@ pub struct BackwardParams {
     /// Residual families only: 1 when x (the forward's `residual_out`) and `dresidual` are stored
     /// as f32 rather than in dy's dtype.
     pub x_f32: u32,
+    /// Ring instances only (`NormKey::ring`): 1 to stage the rows through the ring in a block of
+    /// any size (the host's choice, `policy::block_takes_ring`); 0 to stage them only where
+    /// `policy::block_stages_rows` and prefetch them in registers elsewhere.
+    pub stage_rows: u32,
     /// Residual families only: the gradient arriving on the forward's `residual_out`, added into
     /// dx; 0 for none.
     pub dresidual: u64,

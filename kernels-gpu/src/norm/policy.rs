@@ -161,21 +161,25 @@ pub const fn block_stages_rows(threads: usize) -> bool {
     arch::SM_90 && threads >= 128
 }
 
+/// Whether a backward block tile (`key`, its `ring` unset) has a ring instance
+/// (`NormKey::ring`, sm_90): the plain packed one-access tiles, which stage a row in one pass.
+pub const fn has_ring_instance(key: NormKey) -> bool {
+    !key.residual && key.vec && key.vpt == 1 && !key.cluster && key.lanes == 0
+}
+
 /// Whether a backward block tile (`key`, its `ring` unset) of `threads` threads runs its ring
-/// instance instead (`NormKey::ring`, sm_90): LayerNorm's plain packed one-access tile in blocks
-/// where [`block_stages_rows`] (rows of 1024–2048 16-bit elements). Why two instances: compiled
-/// with the ring beside the prefetch, as RMSNorm's one instance is, ptxas gives the tile 96
-/// registers at 16 bits, which the ring's blocks run faster with but which cost the prefetch's
-/// 64-thread blocks (rows of 512) two blocks per SM; the block instance, prefetch only, keeps 80.
-/// Measured both ways in `bench-results/h200.md` (twenty-eighth to thirtieth sessions).
-pub const fn block_takes_ring(key: NormKey, threads: usize) -> bool {
-    matches!(key.norm, Norm::Layer)
-        && !key.residual
-        && key.vec
-        && key.vpt == 1
-        && !key.cluster
-        && key.lanes == 0
-        && block_stages_rows(threads)
+/// instance instead ([`has_ring_instance`]): LayerNorm's where [`block_stages_rows`] (rows of
+/// 1024–2048 16-bit elements), and either norm's where the batch is small (`small_batch`: every
+/// dγ group has a resident block of its own, so rows in flight per SM, not blocks, hide the
+/// latency: the copy engine keeps three where the register prefetch keeps one). Why an instance
+/// of its own: compiled with the ring beside the prefetch, as RMSNorm's block instance is, ptxas
+/// gives the tile 96 registers at 16 bits, which the ring's blocks run faster with but which cost
+/// the prefetch's 64-thread blocks (rows of 512) two blocks per SM; the block instance, prefetch
+/// only, keeps 80. Measured both ways in `bench-results/h200.md` (twenty-eighth to thirtieth
+/// sessions).
+pub const fn block_takes_ring(key: NormKey, threads: usize, small_batch: bool) -> bool {
+    has_ring_instance(key)
+        && (small_batch || (matches!(key.norm, Norm::Layer) && block_stages_rows(threads)))
 }
 
 /// The first word past the reducer's and γ's ([`gamma_in_shared`]) of a backward block of

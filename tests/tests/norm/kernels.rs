@@ -123,15 +123,25 @@ fn emulator_layer_norm_two_access_forward_tiles_match_reference() {
     emulated::<f32>(Kind::Layer { bias: true }, &shapes);
 }
 
-/// LayerNorm's one-access backward in blocks of four warps or more takes its ring instance
-/// (`NormKey::ring`): packed rows of 1024 (128 threads at 16 bits, 256 at f32) on 40 groups of
-/// one row, and strided rows of 2048 with an offset.
+/// The ring instances (`NormKey::ring`): LayerNorm's one-access backward in blocks of four warps
+/// or more (packed rows of 1024 on 40 groups of one row, strided rows of 2048 with an offset), and
+/// either norm's in a small batch, whose dγ groups all have a resident block (the emulator's 4):
+/// rows of 512 in blocks of two warps (bf16, f16) or four (f32), rows of 1000 and 2048.
 #[test]
-fn emulator_layer_norm_ring_block_tiles_match_reference() {
-    let shapes = [(40, 1024, 1024, 0), (7, 2048, 2056, 8)];
-    emulated::<bf16>(Kind::Layer { bias: true }, &shapes);
-    emulated::<f16>(Kind::Layer { bias: false }, &shapes);
-    emulated::<f32>(Kind::Layer { bias: true }, &shapes);
+fn emulator_ring_block_tiles_match_reference() {
+    let layer = [
+        (40, 1024, 1024, 0),
+        (7, 2048, 2056, 8),
+        (3, 512, 512, 0),
+        (4, 1000, 1000, 0),
+    ];
+    emulated::<bf16>(Kind::Layer { bias: true }, &layer);
+    emulated::<f16>(Kind::Layer { bias: false }, &layer);
+    emulated::<f32>(Kind::Layer { bias: true }, &layer);
+    let rms = [(3, 512, 520, 8), (4, 1000, 1000, 0), (2, 2048, 2048, 0)];
+    emulated::<bf16>(Kind::Rms, &rms);
+    emulated::<f16>(Kind::Rms, &rms);
+    emulated::<f32>(Kind::Rms, &rms);
 }
 
 /// LayerNorm's streaming instance (rows too wide for registers: packed rows of 40000 bf16 without
