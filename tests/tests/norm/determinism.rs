@@ -170,6 +170,33 @@ fn gpu_zero_rows_write_nothing_and_zero_parameter_gradients() {
     zero_rows_write_nothing_and_zero_parameter_gradients(&gpu);
 }
 
+/// A small batch stages its rows through a ring instance (every dγ group a resident block: at
+/// most 4 in the emulator), a larger one prefetches them in registers (rows of 512 in 16-bit
+/// elements, blocks of two warps; wider blocks stage either way on sm_90); both run the same
+/// arithmetic on a row, so which instance a GPU picks by its size changes no bits. Five rows are
+/// five groups of one row, the block instance; their first four alone are four groups, the ring
+/// instance. The fifth row's dy is zero, so it adds exactly nothing to the f32 dγ and dβ (the
+/// mixed-precision parameters, where bf16's rounding cannot hide a one-ulp difference): the
+/// gradients must match bit for bit too.
+#[test]
+fn emulator_ring_and_register_tiles_give_the_same_bits() {
+    let mut rng = Rng::fresh("emulator_ring_and_register_tiles");
+    let d = 512;
+    for kind in KINDS {
+        let mut five = Case::<bf16, f32>::dense(kind, &mut rng, 5, d);
+        five.dy[4 * d..].fill(bf16::ZERO);
+        let mut four = Case::<bf16, f32>::dense(kind, &mut rng, 4, d);
+        four.x = five.x[..4 * d].to_vec();
+        four.dy = five.dy[..4 * d].to_vec();
+        (four.weight, four.bias) = (five.weight.clone(), five.bias.clone());
+        let (five, four) = (five.run(&emulator()), four.run(&emulator()));
+        assert!(same_bits(&five.dx[..4 * d], &four.dx), "{kind:?}: dx");
+        assert!(same_bits(&five.dweight, &four.dweight), "{kind:?}: dweight");
+        assert!(same_bits(&five.dbias, &four.dbias), "{kind:?}: dbias");
+        assert!(four.dweight.iter().all(|v| v.is_finite() && *v != 0.0));
+    }
+}
+
 #[test]
 fn workspace_and_groups_depend_on_the_shape_only() {
     // Rows split over clusters of 8 (wider than 32768) walk fewer, better balanced groups.
