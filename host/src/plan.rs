@@ -12,7 +12,7 @@ use normkern_gpu::column_sum::{
     ColumnSumParams, GROUP_SUMS_ATOMIC, GROUP_SUMS_IN_LAUNCH, GROUP_SUMS_LOCKED,
     GROUP_SUMS_SHARED_WORDS, GROUP_SUMS_SYNC_WORDS, GroupSums,
 };
-use normkern_gpu::kernel::{Dtype, Entry};
+use normkern_gpu::kernel::{Dtype, Entry, Kernel};
 use normkern_gpu::norm::STREAM;
 
 use crate::error::{Error, Result};
@@ -154,6 +154,20 @@ pub(crate) fn row_tile(
     Err(Error::Internal(
         "the kernel table has no streaming kernel for this row",
     ))
+}
+
+/// The most threads a block of `kernel` may have on `device`: the function's own limit (its
+/// registers) and what its dynamic shared memory allows ([`threads_within_shared`]).
+pub(crate) fn max_block_threads<K, P>(
+    device: &dyn Device,
+    kernel: &'static Kernel<K, P>,
+) -> Result<usize> {
+    let shared = threads_within_shared(
+        kernel.large_shared,
+        kernel.shared_bytes,
+        device.shared_opt_in(),
+    );
+    Ok(device.max_threads(kernel.entry())?.min(shared))
 }
 
 /// Dynamic shared memory every kernel may use without opting in.

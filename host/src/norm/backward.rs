@@ -11,8 +11,8 @@ use crate::error::{Error, Result};
 use crate::executor::{Device, Executor, Launch, optional_input, optional_output};
 use crate::plan::{
     CLUSTER_SIZES, GradientPlan, GradientsOf, ParamGradients, Partials, STREAM_THREADS,
-    check_gradients, gradient_plan, gradient_workspace_len, packs_fit, persistent_grid,
-    threads_within_shared,
+    check_gradients, gradient_plan, gradient_workspace_len, max_block_threads, packs_fit,
+    persistent_grid,
 };
 use crate::tensor::{Buffer, Dtype, Rows, expect_len};
 
@@ -342,8 +342,7 @@ fn take_ring(
         return Ok(());
     };
     let shared_bytes = (ring.shared_bytes)(launch.block);
-    let limit = threads_within_shared(ring.large_shared, ring.shared_bytes, device.shared_opt_in());
-    if device.max_threads(ring.entry())?.min(limit) < launch.block {
+    if max_block_threads(device, ring)? < launch.block {
         return Ok(());
     }
     let resident = device.resident_blocks(ring.entry(), launch.block, shared_bytes)?;

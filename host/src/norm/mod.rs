@@ -47,7 +47,7 @@ use normkern_gpu::norm::{NormKey, STREAM};
 
 use crate::error::{Error, Result};
 use crate::executor::{Device, Launch};
-use crate::plan::{RowTile, persistent_grid, row_tile, threads_within_shared};
+use crate::plan::{RowTile, max_block_threads, persistent_grid, row_tile};
 use crate::tensor::Dtype;
 
 /// eps as PyTorch's LayerNorm defaults it.
@@ -159,11 +159,7 @@ impl<P: Copy> RowLaunch<P> {
             device.max_cluster()
         };
         let len = if base.vec { 16 / base.dtype.bytes() } else { 1 };
-        let limit = |k: &'static Kernel<NormKey, P>| -> Result<usize> {
-            let opt_in = device.shared_opt_in();
-            let shared = threads_within_shared(k.large_shared, k.shared_bytes, opt_in);
-            Ok(device.max_threads(k.entry())?.min(shared))
-        };
+        let limit = |k: &'static Kernel<NormKey, P>| max_block_threads(device, k);
         let choose = || {
             // A row that a segment team covers takes the narrowest such team (several rows per
             // warp, no block barrier per row): a function of d, the dtype and the access alone,

@@ -4,7 +4,7 @@
 use super::Normalization;
 use super::params::BackwardParams;
 use super::policy::{
-    STREAM, backward_words, block_stages_rows, gamma_end, plain_adds_dresidual, staged,
+    STREAM, block_stages_rows, gamma_end, instance_backward_words, plain_adds_dresidual, staged,
 };
 use super::rows::{Plain, ResidualBackward, RowSource, param, row_stats_stream};
 use super::segments::{SEGMENT_THREADS, backward_segments, combine_words};
@@ -40,17 +40,7 @@ pub unsafe fn backward<
     } else {
         arch::block_dim()
     };
-    let slots = backward_words(
-        N::CENTERED,
-        VEC,
-        VPT,
-        RESIDUAL,
-        CLUSTER,
-        LANES,
-        RING,
-        threads,
-    )
-    .0;
+    let slots = instance_backward_words::<N, VEC, VPT, RESIDUAL, CLUSTER, LANES, RING>(threads).0;
     let plain = Plain::backward(p, plain_adds_dresidual(VPT, LANES), slots);
     let area = combine_words(
         gamma_end(N::CENTERED, VPT, LANES, SEGMENT_THREADS),

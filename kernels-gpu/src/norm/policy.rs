@@ -253,6 +253,22 @@ pub fn backward_shared_bytes<
 >(
     threads: usize,
 ) -> usize {
+    instance_backward_words::<N, VEC, VPT, RESIDUAL, CLUSTER, LANES, RING>(threads).1 * 4
+}
+
+/// [`backward_words`] of one kernel instance.
+#[inline(always)]
+pub(super) const fn instance_backward_words<
+    N: Normalization,
+    const VEC: bool,
+    const VPT: usize,
+    const RESIDUAL: bool,
+    const CLUSTER: bool,
+    const LANES: usize,
+    const RING: bool,
+>(
+    threads: usize,
+) -> (usize, usize) {
     backward_words(
         N::CENTERED,
         VEC,
@@ -263,7 +279,6 @@ pub fn backward_shared_bytes<
         RING,
         threads,
     )
-    .1 * 4
 }
 
 /// Whether a forward block may need more than the default 48 KiB of shared memory: those with
