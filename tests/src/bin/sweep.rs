@@ -1,11 +1,12 @@
 //! One call of every op × dtype × kernel family at small shapes, for the compute-sanitizer tools
 //! (`./run.sh sanitize` in a bundle runs this under memcheck, racecheck, initcheck and synccheck).
 //! The shapes reach each tile family on an H200: block register tiles (d up to 8192), clusters
-//! of register tiles and the staged backward (16384, 65536), streaming (131072), single-element
-//! access (d not a multiple of the pack, rows off 16-byte alignment), segment teams of 8 to 32
-//! lanes (d up to 1024, several rows per warp, the backward's per-group combine), the residual
-//! forms, saved and recomputed statistics, and every activation kernel. It checks that every call
-//! succeeds; correctness is the tests' job.
+//! of register tiles and the staged backward (16384, 65536), the backward's ring instances (small
+//! batches of d = 512 to 2048: one row a block, and 8 rows a block at 2000×512), streaming
+//! (131072), single-element access (d not a multiple of the pack, rows off 16-byte alignment),
+//! segment teams of 8 to 32 lanes (d up to 1024, several rows per warp, the backward's per-group
+//! combine), the residual forms, saved and recomputed statistics, and every activation kernel.
+//! It checks that every call succeeds; correctness is the tests' job.
 //!
 //! `sweep [f32] [f16] [bf16]` runs only those dtypes (default: all three), so a slow tool such as
 //! racecheck can take them in separate runs: the kernels' shared-memory code is the same generic
@@ -20,10 +21,12 @@ use normkern::{Context, Gpu, NormBackward, NormForward, Rows, RowsRef, layer_nor
 use normkern_tests::{Rng, TestDtype};
 
 /// (rows, d): enough rows for every team to take work, few enough for racecheck.
-const NORM_SHAPES: [(usize, usize); 11] = [
+const NORM_SHAPES: [(usize, usize); 12] = [
     (40, 64),
     (300, 256),
     (70, 512),
+    // The backward's ring instances walking 8 rows a block, round their 4-row ring twice.
+    (2000, 512),
     (33, 1024),
     (24, 2048),
     (24, 4096),
