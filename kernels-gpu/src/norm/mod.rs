@@ -37,9 +37,11 @@
 //! row and [`crate::reduce::RowReducer`] adds the blocks' partial sums through distributed shared
 //! memory; their backward has its rows copied into a ring in shared memory by the copy engine
 //! (`staged`), as has RMSNorm's one-access block tile where its blocks have four warps or more
-//! ([`policy::staged`]). Rows wider still, or any too wide for a block before sm_90, use the streaming
-//! instance (`VPT` = [`STREAM`]), which reads the row more than once (the later reads mostly hit
-//! L2), over a cluster where there is one.
+//! ([`policy::staged`]), and, as instances of their own (`NormKey::ring`, the `_v1r` entries),
+//! LayerNorm's in blocks of four warps or more and either norm's in a small batch, where every
+//! dγ group has a resident block ([`policy::block_takes_ring`]). Rows wider still, or any too wide
+//! for a block before sm_90, use the streaming instance (`VPT` = [`STREAM`]), which reads the row
+//! more than once (the later reads mostly hit L2), over a cluster where there is one.
 //!
 //! Parts: `params` (launch parameters), `rows` (where a row comes from, γ/β, statistics),
 //! `forward`, `backward` (its register tile in `tile`, the staged ring in `staged`, segment teams
