@@ -126,6 +126,25 @@ impl Rng {
     pub fn vec<T: TestDtype>(&mut self, n: usize, lo: f64, hi: f64) -> Vec<T> {
         (0..n).map(|_| T::from_f64(self.uniform(lo, hi))).collect()
     }
+    /// As [`Self::vec`], filled on every core: the bench's inputs of 2²⁷ elements and more took
+    /// most of its wall time (seconds per shape) on one. Chunks of 2²⁰ values, each from its own
+    /// stream seeded by one draw of this one, so the values are a function of the seed (not the
+    /// same as [`Self::vec`]'s).
+    pub fn vec_parallel<T: TestDtype + Send>(&mut self, n: usize, lo: f64, hi: f64) -> Vec<T> {
+        use rayon::prelude::*;
+        const CHUNK: usize = 1 << 20;
+        let seed = self.next_u64();
+        let mut out = vec![T::from_f64(lo); n];
+        out.par_chunks_mut(CHUNK)
+            .enumerate()
+            .for_each(|(i, chunk)| {
+                let mut rng = Rng::seeded(seed ^ (i as u64).wrapping_mul(0xd1b5_4a32_d192_ed03));
+                for v in chunk {
+                    *v = T::from_f64(rng.uniform(lo, hi));
+                }
+            });
+        out
+    }
 }
 
 /// Whether two buffers hold the same bits (NaN poison compares equal to itself).
@@ -222,4 +241,27 @@ pub fn poisoned_workspace(len: usize) -> Vec<f32> {
     let counters = normkern_gpu::column_sum::GROUP_SUMS_SYNC_WORDS.min(len);
     workspace[..counters].fill(0.0);
     workspace
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+
+    /// The bench's parallel inputs: a function of the seed, in range, and no chunk repeating
+    /// another's stream.
+    #[test]
+    fn parallel_random_values_follow_the_seed_and_differ_between_chunks() {
+        let n = (3 << 20) + 5;
+        let a: Vec<bf16> = Rng::seeded(11).vec_parallel(n, -2.0, 2.0);
+        let b: Vec<bf16> = Rng::seeded(11).vec_parallel(n, -2.0, 2.0);
+        let c: Vec<bf16> = Rng::seeded(12).vec_parallel(n, -2.0, 2.0);
+        assert!(same_bits(&a, &b));
+        assert!(!same_bits(&a, &c));
+        // Rounded to bf16, a value just under 2 may become 2.
+        assert!(a.iter().all(|v| (-2.0..=2.0).contains(&v.to_f64())));
+        let chunk = 1 << 20;
+        assert_ne!(a[..chunk], a[chunk..2 * chunk]);
+        assert_ne!(a[..5], a[3 * chunk..]);
+    }
 }

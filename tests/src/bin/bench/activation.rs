@@ -42,8 +42,8 @@ fn run_shape(
     let gpu = ctx.on(stream).expect("the stream is the context's");
     let n = rows * d;
     let mut rng = Rng::seeded(11);
-    let host_a: Vec<bf16> = rng.vec(n, -4.0, 4.0);
-    let host_g: Vec<bf16> = rng.vec(n, -1.0, 1.0);
+    let host_a: Vec<bf16> = rng.vec_parallel(n, -4.0, 4.0);
+    let host_g: Vec<bf16> = rng.vec_parallel(n, -1.0, 1.0);
     let mut sets: Vec<Set> = (0..2)
         .map(|_| Set {
             a: stream.clone_htod(&host_a).unwrap(),

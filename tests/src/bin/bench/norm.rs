@@ -50,8 +50,8 @@ impl<T: TestDtype + ValidAsZeroBits> Operands<T> {
     fn new(stream: &Arc<CudaStream>, rng: &mut Rng, (rows, d): (usize, usize)) -> Self {
         let n = rows * d;
         let sets_needed = (ROTATE_BYTES / (4 * n * size_of::<T>())).max(2);
-        let host_x: Vec<T> = rng.vec(n, -2.0, 2.0);
-        let host_dy: Vec<T> = rng.vec(n, -1.0, 1.0);
+        let host_x: Vec<T> = rng.vec_parallel(n, -2.0, 2.0);
+        let host_dy: Vec<T> = rng.vec_parallel(n, -1.0, 1.0);
         let sets = (0..sets_needed)
             .map(|_| Set {
                 x: stream.clone_htod(&host_x).unwrap(),
@@ -306,10 +306,10 @@ fn norm_residual<H: TestDtype>(
     let h_bytes = std::mem::size_of::<H>();
     let set_bytes = n * (4 * 2 + 3 * h_bytes);
     let sets_needed = (ROTATE_BYTES / set_bytes).max(2);
-    let host_x: Vec<bf16> = rng.vec(n, -2.0, 2.0);
-    let host_dy: Vec<bf16> = rng.vec(n, -1.0, 1.0);
-    let host_residual: Vec<H> = rng.vec(n, -4.0, 4.0);
-    let host_dresidual: Vec<H> = rng.vec(n, -1.0, 1.0);
+    let host_x: Vec<bf16> = rng.vec_parallel(n, -2.0, 2.0);
+    let host_dy: Vec<bf16> = rng.vec_parallel(n, -1.0, 1.0);
+    let host_residual: Vec<H> = rng.vec_parallel(n, -4.0, 4.0);
+    let host_dresidual: Vec<H> = rng.vec_parallel(n, -1.0, 1.0);
     let mut sets: Vec<ResidualSet<H>> = (0..sets_needed)
         .map(|_| ResidualSet {
             x: stream.clone_htod(&host_x).unwrap(),

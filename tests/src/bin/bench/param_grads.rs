@@ -39,8 +39,8 @@ impl<G: Dtype + normkern_tests::TestDtype + normkern::cudarc::driver::ValidAsZer
         Operands {
             rows,
             d,
-            x: upload(rng.vec(n, -2.0, 2.0)),
-            dy: upload(rng.vec(n, -1.0, 1.0)),
+            x: upload(rng.vec_parallel(n, -2.0, 2.0)),
+            dy: upload(rng.vec_parallel(n, -1.0, 1.0)),
             y: stream.alloc_zeros(n).unwrap(),
             dx: stream.alloc_zeros(n).unwrap(),
             weight: upload(rng.vec(d, 0.5, 1.5)),
