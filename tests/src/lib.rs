@@ -126,10 +126,10 @@ impl Rng {
     pub fn vec<T: TestDtype>(&mut self, n: usize, lo: f64, hi: f64) -> Vec<T> {
         (0..n).map(|_| T::from_f64(self.uniform(lo, hi))).collect()
     }
-    /// As [`Self::vec`], filled on every core: the bench's inputs of 2²⁷ elements and more took
-    /// most of its wall time (seconds per shape) on one. Chunks of 2²⁰ values, each from its own
-    /// stream seeded by one draw of this one, so the values are a function of the seed (not the
-    /// same as [`Self::vec`]'s).
+    /// As [`Self::vec`], filled on every core: one of the bench's inputs of 2²⁷ elements took
+    /// about a second on one, and a shape draws about fourteen. Chunks of 2²⁰ values, each from
+    /// its own stream seeded by one draw of this one, so the values are a function of the seed
+    /// (not the same as [`Self::vec`]'s).
     pub fn vec_parallel<T: TestDtype + Send>(&mut self, n: usize, lo: f64, hi: f64) -> Vec<T> {
         use rayon::prelude::*;
         const CHUNK: usize = 1 << 20;
