@@ -568,47 +568,36 @@ pub(crate) mod tests {
             (rows.kernel.name, rows.block, rows.params.stage_rows)
         };
         use Norm::{Layer, Rms};
-        // LayerNorm's one-access tile of 128 and 256 threads stages its rows in its ring instance.
-        assert_eq!(
-            planned(Layer, 65536, 1024, false),
-            ("layer_norm_bwd_bf16_v1r", 128, 1)
-        );
-        assert_eq!(
-            planned(Layer, 32768, 2048, false),
-            ("layer_norm_bwd_bf16_v1r", 256, 1)
-        );
-        // So does either norm's in a small batch (every dγ group a resident block), in blocks of
-        // any size.
-        assert_eq!(
-            planned(Layer, 8192, 512, false),
-            ("layer_norm_bwd_bf16_v1r", 64, 1)
-        );
-        assert_eq!(
-            planned(Rms, 8192, 512, false),
-            ("rms_norm_bwd_bf16_v1r", 64, 1)
-        );
-        assert_eq!(
-            planned(Rms, 4096, 1024, false),
-            ("rms_norm_bwd_bf16_v1r", 128, 1)
-        );
-        // Large batches in 64-thread blocks (d = 512), the dresidual tiles and RMSNorm's block
-        // instance where its groups outnumber its blocks keep the block instance.
-        assert_eq!(
-            planned(Layer, 262144, 512, false),
-            ("layer_norm_bwd_bf16_v1", 64, 0)
-        );
-        assert_eq!(
-            planned(Rms, 262144, 512, false),
-            ("rms_norm_bwd_bf16_v1", 64, 0)
-        );
-        assert_eq!(
-            planned(Rms, 32768, 2048, false),
-            ("rms_norm_bwd_bf16_v1", 256, 0)
-        );
-        assert_eq!(
-            planned(Layer, 65536, 1024, true),
-            ("layer_norm_bwd_res_bf16_v1", 128, 0)
-        );
+        let expected = [
+            // LayerNorm's one-access tile of 128 and 256 threads stages its rows in its ring
+            // instance.
+            (Layer, 65536, 1024, false, "layer_norm_bwd_bf16_v1r", 128, 1),
+            (Layer, 32768, 2048, false, "layer_norm_bwd_bf16_v1r", 256, 1),
+            // So does either norm's in a small batch (every dγ group a resident block), in
+            // blocks of any size.
+            (Layer, 8192, 512, false, "layer_norm_bwd_bf16_v1r", 64, 1),
+            (Rms, 8192, 512, false, "rms_norm_bwd_bf16_v1r", 64, 1),
+            (Rms, 4096, 1024, false, "rms_norm_bwd_bf16_v1r", 128, 1),
+            // Large batches in 64-thread blocks (d = 512), the dresidual tiles and RMSNorm's
+            // block instance where its groups outnumber its blocks keep the block instance.
+            (Layer, 262144, 512, false, "layer_norm_bwd_bf16_v1", 64, 0),
+            (Rms, 262144, 512, false, "rms_norm_bwd_bf16_v1", 64, 0),
+            (Rms, 32768, 2048, false, "rms_norm_bwd_bf16_v1", 256, 0),
+            (
+                Layer,
+                65536,
+                1024,
+                true,
+                "layer_norm_bwd_res_bf16_v1",
+                128,
+                0,
+            ),
+        ];
+        for (norm, rows, d, dresidual, kernel, block, stage_rows) in expected {
+            let what = format!("{norm:?} {rows}×{d}, dresidual {dresidual}");
+            let want = (kernel, block, stage_rows);
+            assert_eq!(planned(norm, rows, d, dresidual), want, "{what}");
+        }
     }
 
     #[test]
