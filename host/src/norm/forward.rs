@@ -2,7 +2,7 @@
 
 use normkern_gpu::norm::{
     FORWARD, ForwardParams, Norm, NormKey, forward_fewest_accesses, forward_prefetches,
-    forward_stream_threads,
+    forward_segments_one_shot, forward_stream_threads,
 };
 
 use super::{RowLaunch, check_config, inv, params_f32, stored_f32, stride_in_elems};
@@ -283,6 +283,12 @@ pub(crate) fn plan(
     };
     let key = NormKey { vec, ..call.key };
     let centered = key.norm == Norm::Layer;
+    // What a row moves: x and y, and the residual's input and output in their own dtypes.
+    let stored = |f32: bool| if f32 { 4 } else { bytes };
+    let residual_bytes = (call.residual).map_or(0, |[input, output]| {
+        stored(input.2).saturating_add(stored(output.2))
+    });
+    let row_bytes_per_element = bytes.saturating_mul(2).saturating_add(residual_bytes);
     let launch = RowLaunch {
         table: &FORWARD,
         key,
@@ -298,6 +304,8 @@ pub(crate) fn plan(
         fewest_accesses: forward_fewest_accesses(centered, key.residual),
         stream_threads: forward_stream_threads(key.residual, d.saturating_mul(bytes)),
         items_per_team: true,
+        one_shot_row_bytes: forward_segments_one_shot(centered, key.residual)
+            .then(|| d.saturating_mul(row_bytes_per_element)),
         params,
     }
     .plan(device, |vpt| {
@@ -312,6 +320,7 @@ mod tests {
     use normkern_gpu::kernel::Dtype as KernelDtype;
 
     use crate::norm::backward::tests::H200;
+    use crate::plan::tests::FakeH200;
 
     /// A forward of `norm` over dense, 16-byte aligned bf16 rows.
     fn call(norm: Norm, rows: usize, d: usize) -> Call {
@@ -341,26 +350,55 @@ mod tests {
 
     #[test]
     fn narrow_rows_take_the_narrowest_segment_team_that_covers_them() {
-        for (d, name, rows_per_block) in [
-            (128, "rms_norm_fwd_bf16_v2l8", 32),
-            (256, "rms_norm_fwd_bf16_v2l16", 16),
-            (512, "rms_norm_fwd_bf16_v4l16", 16),
-            (1024, "rms_norm_fwd_bf16_v4l32", 8),
+        // RMSNorm: a one-shot grid of the fewest warps that move 4 KiB (x and y, 16 bits).
+        for (d, name, block) in [
+            (128, "rms_norm_fwd_bf16_v2l8", 64),
+            (256, "rms_norm_fwd_bf16_v2l16", 64),
+            (512, "rms_norm_fwd_bf16_v4l16", 32),
+            (1024, "rms_norm_fwd_bf16_v4l32", 32),
         ] {
-            let launch = plan(&call(Norm::Rms, 1 << 20, d), &H200).unwrap().unwrap();
-            assert_eq!((launch.kernel.name, launch.block), (name, 256));
-            // A persistent grid of blocks of `rows_per_block` teams, none idle for a round.
-            let (rows, teams) = (1usize << 20, launch.grid * rows_per_block);
-            assert!(
-                teams < rows && rows.div_ceil(teams) * teams - rows < teams,
-                "{d}"
-            );
+            let rows = 1 << 20;
+            let launch = plan(&call(Norm::Rms, rows, d), &H200).unwrap().unwrap();
+            assert_eq!((launch.kernel.name, launch.block), (name, block), "{d}");
+            let rows_per_block = block / launch.kernel.key.lanes;
+            assert_eq!(launch.grid, rows / rows_per_block, "{d}");
         }
+        // Plain LayerNorm: a persistent grid of 256-thread blocks, none idle for a round.
+        let launch = plan(&call(Norm::Layer, 1 << 20, 128), &H200)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (launch.kernel.name, launch.block),
+            ("layer_norm_fwd_bf16_v2l8", 256)
+        );
+        let (rows, teams) = (1usize << 20, launch.grid * 32);
+        assert!(teams < rows && rows.div_ceil(teams) * teams - rows < teams);
         // Past a warp's reach: a block per row.
         let wide = plan(&call(Norm::Rms, 1 << 20, 1032), &H200)
             .unwrap()
             .unwrap();
         assert_eq!(wide.kernel.key.lanes, 0);
+    }
+
+    #[test]
+    fn one_shot_blocks_count_the_residual_bytes_and_keep_a_grid_limit() {
+        // x, y, the residual in and out: 4 rows of 128 bf16 move 4 KiB, a warp's worth.
+        let mut residual = call(Norm::Layer, 1000, 128);
+        residual.key = NormKey::call(Norm::Layer, true, KernelDtype::Bf16);
+        residual.residual = Some([(5 << 20, 128, false), (6 << 20, 128, false)]);
+        let launch = plan(&residual, &H200).unwrap().unwrap();
+        assert_eq!((launch.block, launch.grid), (32, 250));
+        // An f32 residual stream moves more per row: still a warp.
+        residual.residual = Some([(5 << 20, 128, true), (6 << 20, 128, true)]);
+        assert_eq!(plan(&residual, &H200).unwrap().unwrap().block, 32);
+        let limited = FakeH200 {
+            grid_limit: Some(7),
+            ..H200
+        };
+        let launch = plan(&call(Norm::Rms, 1 << 20, 128), &limited)
+            .unwrap()
+            .unwrap();
+        assert_eq!((launch.block, launch.grid), (64, 7));
     }
 
     #[test]

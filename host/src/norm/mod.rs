@@ -43,11 +43,11 @@ pub use forward::{NormForward, ResidualAdd};
 
 use normkern_gpu::kernel::{Dtype as KernelDtype, Kernel, Table};
 use normkern_gpu::norm::segments::SEGMENT_THREADS;
-use normkern_gpu::norm::{NormKey, STREAM};
+use normkern_gpu::norm::{NormKey, STREAM, forward_one_shot_threads};
 
 use crate::error::{Error, Result};
 use crate::executor::{Device, Launch};
-use crate::plan::{RowTile, max_block_threads, persistent_grid, row_tile};
+use crate::plan::{RowTile, full_grid, max_block_threads, persistent_grid, row_tile};
 use crate::tensor::Dtype;
 
 /// eps as PyTorch's LayerNorm defaults it.
@@ -131,6 +131,9 @@ pub(crate) struct RowLaunch<P: 'static> {
     /// How a block of segment teams takes its work: each team its own item (rows: a block
     /// covers `SEGMENT_THREADS / lanes` of them), or the block one item (a group of rows).
     pub items_per_team: bool,
+    /// The forward's segment teams with a one-shot grid (`forward_segments_one_shot`): the bytes
+    /// each row moves, which size the block. `None`: the persistent grid of `SEGMENT_THREADS`.
+    pub one_shot_row_bytes: Option<usize>,
     pub params: P,
 }
 
@@ -234,13 +237,23 @@ impl<P: Copy> RowLaunch<P> {
         };
         let kernel = kernel(vpt, cluster > 1, lanes)
             .ok_or(Error::Internal("the chosen tile is not compiled"))?;
+        let one_shot = self.one_shot_row_bytes.filter(|_| lanes != 0);
+        let threads = one_shot.map_or(threads, |row_bytes| {
+            forward_one_shot_threads(lanes, row_bytes)
+        });
         let shared_bytes = (kernel.shared_bytes)(threads);
-        let work = if lanes != 0 && self.items_per_team {
-            self.work.div_ceil(threads / lanes)
+        let grid = if one_shot.is_some() {
+            // A block per `threads / lanes` rows, a team per row: no occupancy query; a grid
+            // limit still holds (the teams walk the rows by grid stride).
+            full_grid(device, self.work.div_ceil(threads / lanes))
         } else {
-            self.work
+            let work = if lanes != 0 && self.items_per_team {
+                self.work.div_ceil(threads / lanes)
+            } else {
+                self.work
+            };
+            persistent_grid(device, kernel.entry(), work, threads, cluster, shared_bytes)?
         };
-        let grid = persistent_grid(device, kernel.entry(), work, threads, cluster, shared_bytes)?;
         Ok(Launch {
             kernel,
             grid,

@@ -58,7 +58,10 @@ mod staged;
 mod tile;
 
 pub use params::{BackwardParams, ForwardParams};
-pub use policy::{STREAM, forward_fewest_accesses, forward_prefetches, forward_stream_threads};
+pub use policy::{
+    FORWARD_ONE_SHOT_BLOCK_BYTES, STREAM, forward_fewest_accesses, forward_one_shot_threads,
+    forward_prefetches, forward_segments_one_shot, forward_stream_threads,
+};
 pub use staged::STAGES;
 
 use crate::kernel::Dtype;

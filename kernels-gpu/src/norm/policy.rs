@@ -4,7 +4,7 @@
 //! shared-memory sizes to the host, whose launch plan reads them from there. The measurements
 //! behind each choice are in `bench-results/h200.md`.
 
-use super::segments::combine_words;
+use super::segments::{SEGMENT_THREADS, combine_words};
 use super::staged::staged_words_end;
 use super::tile::SharedGamma;
 use super::{Norm, NormKey, Normalization};
@@ -47,6 +47,39 @@ pub const fn forward_stream_threads(residual: bool, row_bytes: usize) -> usize {
     } else {
         1024
     }
+}
+
+/// Whether a forward over segment teams (`super::segments`) takes a one-shot grid — a block of
+/// [`forward_one_shot_threads`] per few rows, each team one row, and finished blocks replaced by
+/// new ones — rather than a persistent grid of [`SEGMENT_THREADS`]-thread blocks that walk the
+/// rows with the next one in flight. Plain LayerNorm keeps the walk: it waits for two reductions
+/// per row, which the walk's prefetch hides, and one-shot it measured 1–5 points lower at 16 bits
+/// (`bench-results/h200.md`, thirty-second session).
+pub const fn forward_segments_one_shot(centered: bool, residual: bool) -> bool {
+    !centered || residual
+}
+
+/// The fewest bytes a one-shot forward block moves (its rows' loads and stores): blocks that move
+/// less end faster than the SM starts new ones (RMSNorm d = 128, 16 bits: 2 KiB blocks measured 13
+/// points below 4 KiB ones).
+pub const FORWARD_ONE_SHOT_BLOCK_BYTES: usize = 4096;
+
+/// Threads of a one-shot forward block of `lanes`-lane segment teams whose rows move `row_bytes`
+/// each: the fewest warps (at most [`SEGMENT_THREADS`]) that move
+/// [`FORWARD_ONE_SHOT_BLOCK_BYTES`]. Small blocks, because a block's registers come free only
+/// when its last warp ends; blocks of a warp or two measured best, 128 threads below both
+/// (`bench-results/h200.md`, thirty-second session).
+pub const fn forward_one_shot_threads(lanes: usize, row_bytes: usize) -> usize {
+    if lanes == 0 {
+        return SEGMENT_THREADS;
+    }
+    let mut threads = arch::WARP;
+    while threads < SEGMENT_THREADS
+        && (threads / lanes).saturating_mul(row_bytes) < FORWARD_ONE_SHOT_BLOCK_BYTES
+    {
+        threads *= 2;
+    }
+    threads
 }
 
 /// Whether a forward register tile keeps γ and β in shared memory: LayerNorm's packed residual
