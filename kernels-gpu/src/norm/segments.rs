@@ -2,7 +2,8 @@
 //! lanes) per row, several rows per warp, sums by shuffles within the segment and no block
 //! barrier per row (QK-norm's d = 128 is 16 lanes of one 16-byte access).
 //!
-//! The forward is the register tile's body over such teams (`super::forward`). The backward
+//! The forward is the register tile's body over such teams (`super::forward`), in blocks of any
+//! whole number of warps (`policy::forward_segments_one_shot` says which grid). The backward
 //! keeps the deterministic group partials: a block walks the groups, its teams take a group's
 //! rows in turn (team t: rows t, t + teams, …), each thread adds its columns of every row it
 //! visits in fp32 registers, and at the group's end the teams' sums meet in a fixed order — a
@@ -20,7 +21,8 @@ use crate::column_sum::{GroupSums, store_group_partials};
 use crate::element::Element;
 use crate::reduce::{RowReducer, Team};
 
-/// Threads of every segment-team block: the warps whose sums a group adds in order.
+/// Threads of every backward segment-team block (the warps whose sums a group adds in order) and
+/// of the forward's persistent walk.
 pub const SEGMENT_THREADS: usize = 256;
 const SEGMENT_WARPS: usize = SEGMENT_THREADS / WARP;
 
