@@ -166,7 +166,17 @@ pub(super) unsafe fn forward_regs<
             x[k] = src.hold(&raw[k]);
         }
         let (mean, rstd) = unsafe {
-            row_stats_regs::<T, VEC, VPT, N, S>(&mut reducer, team, &x, d, p.inv_d, p.eps)
+            // A segment team on the one-shot grid lives for one row: shorten its sums' chain.
+            let lane_sums = team.lanes != 0;
+            row_stats_regs::<T, VEC, VPT, N, S>(
+                &mut reducer,
+                team,
+                &x,
+                d,
+                p.inv_d,
+                p.eps,
+                lane_sums,
+            )
         };
         save_stats::<N>(p, team, row, mean, rstd);
         let y_row = row_addr::<T>(p.y, row, p.y_stride);

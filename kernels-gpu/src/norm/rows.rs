@@ -334,7 +334,10 @@ impl<T: Element, const VEC: bool> RowSource<T, VEC> for ResidualBackward {
 }
 
 /// `(μ, rstd)` of a row held in registers (μ = 0 for RMSNorm): exact two-pass variance, since the
-/// row is on chip. Accesses past `d` hold zeros and are kept out of the sums.
+/// row is on chip. Accesses past `d` hold zeros and are kept out of the sums. `lane_sums`: each
+/// thread adds its elements as [`lane_sum`] does (the forward's segment teams, which live for one
+/// row on the one-shot grid); otherwise in element order (the block tiles and the backward, which
+/// measured no gain from it, the backward a loss: `bench-results/h200.md`, thirty-second session).
 ///
 /// # Safety
 /// Every thread of the block calls it (block reductions).
@@ -352,34 +355,84 @@ pub(super) unsafe fn row_stats_regs<
     d: usize,
     inv_d: f32,
     eps: f32,
+    lane_sums: bool,
 ) -> (f32, f32) {
     let len = Access::<T, VEC>::LEN;
     let Team { tid, threads, .. } = team;
-    let mean = if N::CENTERED {
-        let mut sum = 0.0f32;
-        for xk in x {
-            for i in 0..len {
-                sum += S::get(xk, i);
-            }
-        }
-        let total = unsafe { reducer.sum(sum) };
-        total * inv_d
+    let (mean, sum_sq) = if lane_sums {
+        let active = |k: usize| (tid + k * threads) * len < d;
+        let mean = if N::CENTERED {
+            // Elements past d are held as 0: every access adds.
+            let sum = lane_sum::<VPT>(len, |_| true, |k, i, acc| acc + S::get(&x[k], i));
+            let total = unsafe { reducer.sum(sum) };
+            total * inv_d
+        } else {
+            0.0
+        };
+        let sum_sq = lane_sum::<VPT>(len, active, |k, i, acc| {
+            let c = S::get(&x[k], i) - mean;
+            arch::fma(c, c, acc)
+        });
+        (mean, sum_sq)
     } else {
-        0.0
-    };
-    let mut sum_sq = 0.0f32;
-    for k in 0..VPT {
-        if (tid + k * threads) * len < d {
-            for i in 0..len {
-                let c = S::get(&x[k], i) - mean;
-                sum_sq = arch::fma(c, c, sum_sq);
+        let mean = if N::CENTERED {
+            let mut sum = 0.0f32;
+            for xk in x {
+                for i in 0..len {
+                    sum += S::get(xk, i);
+                }
+            }
+            let total = unsafe { reducer.sum(sum) };
+            total * inv_d
+        } else {
+            0.0
+        };
+        let mut sum_sq = 0.0f32;
+        for k in 0..VPT {
+            if (tid + k * threads) * len < d {
+                for i in 0..len {
+                    let c = S::get(&x[k], i) - mean;
+                    sum_sq = arch::fma(c, c, sum_sq);
+                }
             }
         }
-    }
+        (mean, sum_sq)
+    };
     (
         mean,
         arch::rsqrt(unsafe { reducer.sum(sum_sq) } * inv_d + eps),
     )
+}
+
+/// `Σ step` over this thread's accesses `k` (those `active`) and their `len` elements (a power of
+/// two, at most 8) as `len` sums over the accesses, then a fixed pairwise tree over them: the
+/// row's reduction waits on `VPT + log2(len)` dependent adds rather than `VPT · len` (a one-shot
+/// forward team lives for one row, so that chain is its lifetime).
+#[inline(always)]
+fn lane_sum<const VPT: usize>(
+    len: usize,
+    active: impl Fn(usize) -> bool,
+    step: impl Fn(usize, usize, f32) -> f32,
+) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for k in 0..VPT {
+        if active(k) {
+            #[allow(clippy::needless_range_loop)]
+            for i in 0..8 {
+                if i < len {
+                    acc[i] = step(k, i, acc[i]);
+                }
+            }
+        }
+    }
+    // Written out: a loop over halving widths leaves `acc` in local memory.
+    let [a0, a1, a2, a3, a4, a5, a6, a7] = acc;
+    match len {
+        8 => ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)),
+        4 => (a0 + a2) + (a1 + a3),
+        2 => a0 + a1,
+        _ => a0,
+    }
 }
 
 /// `(μ, rstd)` of a row streamed from memory (μ = 0 for RMSNorm): one pass over the row, which

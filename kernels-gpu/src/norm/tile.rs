@@ -233,7 +233,9 @@ impl<T: Element, const VEC: bool, const VPT: usize, N: Normalization, S: RowSour
         // Nothing saved: recompute the statistics from the row already in registers.
         let (mean, rstd) = if p.rstd == 0 {
             unsafe {
-                row_stats_regs::<T, VEC, VPT, N, S>(reducer, self.team, &x, self.d, p.inv_d, p.eps)
+                row_stats_regs::<T, VEC, VPT, N, S>(
+                    reducer, self.team, &x, self.d, p.inv_d, p.eps, false,
+                )
             }
         } else {
             *saved
