@@ -139,7 +139,8 @@ pub(crate) struct RowLaunch<P: 'static> {
 
 impl<P: Copy> RowLaunch<P> {
     /// The tile for a row of `d` elements among the compiled ones, and a persistent grid over the
-    /// work items (the forward's one-shot segment teams: a block per few rows). `prefetches(vpt)`: whether that register tile keeps the next row in flight.
+    /// work items (the forward's one-shot segment teams: a block per few rows).
+    /// `prefetches(vpt)`: whether that register tile keeps the next row in flight.
     // Launch arithmetic on validated sizes and the table's few tiles.
     #[allow(clippy::arithmetic_side_effects)]
     pub(crate) fn plan(

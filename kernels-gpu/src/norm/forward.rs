@@ -166,7 +166,7 @@ pub(super) unsafe fn forward_regs<
             x[k] = src.hold(&raw[k]);
         }
         let (mean, rstd) = unsafe {
-            // A segment team on the one-shot grid lives for one row: shorten its sums' chain.
+            // Segment teams (one row each on the one-shot grid) shorten their sums' chain.
             let lane_sums = team.lanes != 0;
             row_stats_regs::<T, VEC, VPT, N, S>(
                 &mut reducer,
