@@ -124,7 +124,15 @@ impl Rng {
     }
     /// `n` values of dtype `T`, uniform in [lo, hi) before rounding to `T`.
     pub fn vec<T: TestDtype>(&mut self, n: usize, lo: f64, hi: f64) -> Vec<T> {
-        (0..n).map(|_| T::from_f64(self.uniform(lo, hi))).collect()
+        let mut out = vec![T::from_f64(lo); n];
+        self.fill(&mut out, lo, hi);
+        out
+    }
+    /// Overwrites `out` with the values [`Self::vec`] would draw.
+    pub fn fill<T: TestDtype>(&mut self, out: &mut [T], lo: f64, hi: f64) {
+        for v in out {
+            *v = T::from_f64(self.uniform(lo, hi));
+        }
     }
     /// As [`Self::vec`], filled on every core: one of the bench's inputs of 2²⁷ elements took
     /// about a second on one, and a shape draws about fourteen. Chunks of 2²⁰ values, each from
@@ -138,10 +146,8 @@ impl Rng {
         out.par_chunks_mut(CHUNK)
             .enumerate()
             .for_each(|(i, chunk)| {
-                let mut rng = Rng::seeded(seed ^ (i as u64).wrapping_mul(0xd1b5_4a32_d192_ed03));
-                for v in chunk {
-                    *v = T::from_f64(rng.uniform(lo, hi));
-                }
+                Rng::seeded(seed ^ (i as u64).wrapping_mul(0xd1b5_4a32_d192_ed03))
+                    .fill(chunk, lo, hi)
             });
         out
     }
