@@ -2,7 +2,7 @@
 
 use normkern_gpu::norm::{
     FORWARD, ForwardParams, Norm, NormKey, forward_fewest_accesses, forward_prefetches,
-    forward_segments_one_shot, forward_stream_threads,
+    forward_stream_threads,
 };
 
 use super::{RowLaunch, check_config, inv, params_f32, stored_f32, stride_in_elems};
@@ -304,8 +304,7 @@ pub(crate) fn plan(
         fewest_accesses: forward_fewest_accesses(centered, key.residual),
         stream_threads: forward_stream_threads(key.residual, d.saturating_mul(bytes)),
         items_per_team: true,
-        one_shot_row_bytes: forward_segments_one_shot(centered, key.residual)
-            .then(|| d.saturating_mul(row_bytes_per_element)),
+        one_shot_row_bytes: Some(d.saturating_mul(row_bytes_per_element)),
         params,
     }
     .plan(device, |vpt| {
@@ -363,16 +362,34 @@ mod tests {
             let rows_per_block = block / launch.kernel.key.lanes;
             assert_eq!(launch.grid, rows / rows_per_block, "{d}");
         }
-        // Plain LayerNorm: a persistent grid of 256-thread blocks, none idle for a round.
-        let launch = plan(&call(Norm::Layer, 1 << 20, 128), &H200)
-            .unwrap()
-            .unwrap();
-        assert_eq!(
-            (launch.kernel.name, launch.block),
-            ("layer_norm_fwd_bf16_v2l8", 256)
-        );
-        let (rows, teams) = (1usize << 20, launch.grid * 32);
-        assert!(teams < rows && rows.div_ceil(teams) * teams - rows < teams);
+        // Plain LayerNorm: teams of 2 accesses walk a persistent grid of 256-thread blocks, none
+        // idle for a round; teams of 4 take the one-shot grid.
+        for d in [128, 256] {
+            let launch = plan(&call(Norm::Layer, 1 << 20, d), &H200)
+                .unwrap()
+                .unwrap();
+            assert_eq!((launch.kernel.key.vpt, launch.block), (2, 256), "{d}");
+            let teams = launch.grid * 256 / launch.kernel.key.lanes;
+            let rows = 1usize << 20;
+            assert!(
+                teams < rows && rows.div_ceil(teams) * teams - rows < teams,
+                "{d}"
+            );
+        }
+        for (d, name) in [
+            (512, "layer_norm_fwd_bf16_v4l16"),
+            (1024, "layer_norm_fwd_bf16_v4l32"),
+        ] {
+            let launch = plan(&call(Norm::Layer, 1 << 20, d), &H200)
+                .unwrap()
+                .unwrap();
+            assert_eq!((launch.kernel.name, launch.block), (name, 32), "{d}");
+            assert_eq!(
+                launch.grid,
+                (1 << 20) / (32 / launch.kernel.key.lanes),
+                "{d}"
+            );
+        }
         // Past a warp's reach: a block per row.
         let wide = plan(&call(Norm::Rms, 1 << 20, 1032), &H200)
             .unwrap()

@@ -43,7 +43,9 @@ pub use forward::{NormForward, ResidualAdd};
 
 use normkern_gpu::kernel::{Dtype as KernelDtype, Kernel, Table};
 use normkern_gpu::norm::segments::SEGMENT_THREADS;
-use normkern_gpu::norm::{NormKey, STREAM, forward_one_shot_threads};
+use normkern_gpu::norm::{
+    Norm, NormKey, STREAM, forward_one_shot_threads, forward_segments_one_shot,
+};
 
 use crate::error::{Error, Result};
 use crate::executor::{Device, Launch};
@@ -131,8 +133,9 @@ pub(crate) struct RowLaunch<P: 'static> {
     /// How a block of segment teams takes its work: each team its own item (rows: a block
     /// covers `SEGMENT_THREADS / lanes` of them), or the block one item (a group of rows).
     pub items_per_team: bool,
-    /// The forward's segment teams with a one-shot grid (`forward_segments_one_shot`): the bytes
-    /// each row moves, which size the block. `None`: the persistent grid of `SEGMENT_THREADS`.
+    /// The forward: the bytes each row moves, which size the block of segment teams on a
+    /// one-shot grid (where `forward_segments_one_shot` takes one). `None` (the backward): the
+    /// persistent grid of `SEGMENT_THREADS`.
     pub one_shot_row_bytes: Option<usize>,
     pub params: P,
 }
@@ -238,7 +241,10 @@ impl<P: Copy> RowLaunch<P> {
         };
         let kernel = kernel(vpt, cluster > 1, lanes)
             .ok_or(Error::Internal("the chosen tile is not compiled"))?;
-        let one_shot = self.one_shot_row_bytes.filter(|_| lanes != 0);
+        let centered = self.key.norm == Norm::Layer;
+        let one_shot = self
+            .one_shot_row_bytes
+            .filter(|_| lanes != 0 && forward_segments_one_shot(centered, self.key.residual, vpt));
         let threads = one_shot.map_or(threads, |row_bytes| {
             forward_one_shot_threads(lanes, row_bytes)
         });

@@ -3,7 +3,8 @@
 use super::Normalization;
 use super::params::ForwardParams;
 use super::policy::{
-    STREAM, STREAM_DEPTH, forward_params_in_shared, forward_prefetches, forward_words,
+    STREAM, STREAM_DEPTH, forward_params_in_shared, forward_prefetches, forward_segments_one_shot,
+    forward_words,
 };
 use super::rows::{
     AddResidual, Plain, RowSource, param, row_stats_regs, row_stats_stream, stream_accesses,
@@ -149,8 +150,11 @@ pub(super) unsafe fn forward_regs<
     };
     let rows = p.rows as usize;
     let mut row = first;
-    // A segment team's accesses are few: it always has the registers for the next row.
-    let prefetch = forward_prefetches(N::CENTERED, S::WIDE, VPT) || (team.lanes != 0 && !S::WIDE);
+    // A segment team's accesses are few: it has the registers for the next row, but on the
+    // one-shot grid it has one row and nothing to prefetch.
+    let one_shot = team.lanes != 0 && forward_segments_one_shot(N::CENTERED, S::WIDE, VPT);
+    let prefetch = !one_shot
+        && (forward_prefetches(N::CENTERED, S::WIDE, VPT) || (team.lanes != 0 && !S::WIDE));
     let mut next = if prefetch && row < rows {
         load_row(row)
     } else {

@@ -49,14 +49,16 @@ pub const fn forward_stream_threads(residual: bool, row_bytes: usize) -> usize {
     }
 }
 
-/// Whether a forward over segment teams (`super::segments`) takes a one-shot grid — a block of
-/// [`forward_one_shot_threads`] per few rows, each team one row, and finished blocks replaced by
-/// new ones — rather than a persistent grid of [`SEGMENT_THREADS`]-thread blocks that walk the
-/// rows with the next one in flight. Plain LayerNorm keeps the walk: it waits for two reductions
-/// per row, which the walk's prefetch hides, and one-shot it measured 1–5 points lower at 16 bits
-/// (`bench-results/h200.md`, thirty-second session).
-pub const fn forward_segments_one_shot(centered: bool, residual: bool) -> bool {
-    !centered || residual
+/// Whether a forward over segment teams (`super::segments`) of `vpt` accesses per thread takes a
+/// one-shot grid — a block of [`forward_one_shot_threads`] per few rows, each team one row and no
+/// next row in flight, finished blocks replaced by new ones — rather than a persistent grid of
+/// [`SEGMENT_THREADS`]-thread blocks that walk the rows with the next one in flight. One-shot
+/// teams need no registers for a second row, so more warps stay resident. Plain LayerNorm waits
+/// for two reductions per row: with 2 accesses per thread the walk's prefetch hides them better
+/// (one-shot measured 2 points lower at d = 256, equal at 128); with 4 one-shot measured 4–6
+/// points higher (d = 512, 1024 at 16 bits; `bench-results/h200.md`, thirty-third session).
+pub const fn forward_segments_one_shot(centered: bool, residual: bool, vpt: usize) -> bool {
+    !centered || residual || vpt >= 4
 }
 
 /// The fewest bytes a one-shot forward block moves (its rows' loads and stores): blocks that move
