@@ -121,13 +121,16 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
 
 /// The sweep over d at 64 Mi elements: RMSNorm and LayerNorm forward and backward, plain and with
 /// the residual add (bf16 residual stream), all bf16; RMSNorm also in f32 and f16, so a
-/// dtype that falls off a cliff at some d shows.
+/// dtype that falls off a cliff at some d shows. `--shapes` replaces the d's (one shape a cliff).
 pub fn sweep(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measurement> {
     let mut out = Vec::new();
     let mut rng = Rng::seeded(7);
     let on = (ctx, stream);
-    for d in SWEEP_DS {
-        let shape = (SWEEP_ELEMENTS / d, d);
+    let shapes = s
+        .shapes
+        .clone()
+        .unwrap_or_else(|| SWEEP_DS.map(|d| (SWEEP_ELEMENTS / d, d)).to_vec());
+    for shape in shapes {
         out.extend(bf16_norms(on, s, &mut rng, shape));
         out.extend(rms_norm_fwd_bwd(
             on,
