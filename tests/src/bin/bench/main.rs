@@ -1,12 +1,13 @@
 //! normkern's benchmark: every op against the device's copy bandwidth, measured in the same run.
 //!
 //! `cargo xtask bench [--reps N] [--warmup N] [--quick] [--shapes RxD,...] [--untracked]
-//! [--param-grads] [--strategy auto|two-pass|single-launch] [--sweep] [--activations] [--csv PATH]`,
-//! or `./bench` in a bundle (`--param-grads`: only the small-batch latency and parameter-gradient
-//! strategy tables; `--activations`: only the activations; `--sweep`: the norms over d = 128 …
-//! 65536 at 64 Mi elements (or the `--shapes` given), bf16, RMSNorm also in f32 and f16, 50
-//! reps unless `--reps` says otherwise; `--csv PATH`: the table as CSV too, for `cargo xtask
-//! plot-sweep`, by default `sweep.csv` with `--sweep`). Times are medians of CUDA event timings after warm-up (`--warmup`
+//! [--param-grads] [--strategy auto|two-pass|single-launch] [--sweep [--dtypes bf16,f32,f16]]
+//! [--activations] [--csv PATH]`, or `./bench` in a bundle (`--param-grads`: only the
+//! small-batch latency and parameter-gradient strategy tables; `--activations`: only the
+//! activations; `--sweep`: the norms over d = 128 … 65536 at 64 Mi elements (or the `--shapes`
+//! given), bf16, RMSNorm also in f32 and f16 (`--dtypes`: only those), 50 reps unless `--reps`
+//! says otherwise; `--csv PATH`: the table as CSV too, for `cargo xtask plot-sweep`, by default
+//! `sweep.csv` with `--sweep`). Times are medians of CUDA event timings after warm-up (`--warmup`
 //! calls, and at least 200 ms of them), each call enqueued behind a spin kernel so that its
 //! events time its device work alone (`NORMKERN_BENCH_IDLE=1`: on an idle stream, as before
 //! 2026-12-02; the `--param-grads` latency table always times lone calls on an idle stream,
@@ -62,6 +63,9 @@ pub struct Settings {
     pub shapes: Option<Vec<(usize, usize)>>,
     /// `--strategy two-pass|single-launch|auto`: how the backwards sum dγ/dβ/dbias.
     pub strategy: ParamGradients,
+    /// `--dtypes bf16,f16`: the sweep's dtypes (all three when absent). Each dtype's operands
+    /// are allocated when it is measured, so one alone also sits elsewhere in memory.
+    pub dtypes: Option<Vec<String>>,
 }
 
 fn main() {
@@ -90,6 +94,8 @@ fn main() {
     let csv: Option<String> = value(&args, "--csv").or(sweep.then(|| "sweep.csv".into()));
     let settings = Settings {
         strategy,
+        dtypes: value::<String>(&args, "--dtypes")
+            .map(|list| list.split(',').map(str::to_owned).collect()),
         reps: value(&args, "--reps").unwrap_or(if sweep { 50 } else { 200 }),
         warmup: value(&args, "--warmup").unwrap_or(if sweep { 10 } else { 20 }),
         quick: args.iter().any(|a| a == "--quick"),

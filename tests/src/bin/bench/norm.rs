@@ -121,7 +121,8 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
 
 /// The sweep over d at 64 Mi elements: RMSNorm and LayerNorm forward and backward, plain and with
 /// the residual add (bf16 residual stream), all bf16; RMSNorm also in f32 and f16, so a
-/// dtype that falls off a cliff at some d shows. `--shapes` replaces the d's (one shape a cliff).
+/// dtype that falls off a cliff at some d shows. `--shapes` replaces the d's, `--dtypes` picks
+/// the dtypes (one shape and dtype of a cliff).
 pub fn sweep(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measurement> {
     let mut out = Vec::new();
     let mut rng = Rng::seeded(7);
@@ -130,18 +131,29 @@ pub fn sweep(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measu
         .shapes
         .clone()
         .unwrap_or_else(|| SWEEP_DS.map(|d| (SWEEP_ELEMENTS / d, d)).to_vec());
+    let measured = |dtype: &str| {
+        s.dtypes
+            .as_ref()
+            .is_none_or(|d| d.iter().any(|t| t == dtype))
+    };
     for shape in shapes {
-        out.extend(bf16_norms(on, s, &mut rng, shape));
-        out.extend(rms_norm_fwd_bwd(
-            on,
-            s,
-            &mut Operands::<f32>::new(stream, &mut rng, shape),
-        ));
-        out.extend(rms_norm_fwd_bwd(
-            on,
-            s,
-            &mut Operands::<f16>::new(stream, &mut rng, shape),
-        ));
+        if measured("bf16") {
+            out.extend(bf16_norms(on, s, &mut rng, shape));
+        }
+        if measured("f32") {
+            out.extend(rms_norm_fwd_bwd(
+                on,
+                s,
+                &mut Operands::<f32>::new(stream, &mut rng, shape),
+            ));
+        }
+        if measured("f16") {
+            out.extend(rms_norm_fwd_bwd(
+                on,
+                s,
+                &mut Operands::<f16>::new(stream, &mut rng, shape),
+            ));
+        }
     }
     out
 }
