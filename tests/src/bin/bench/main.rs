@@ -112,6 +112,12 @@ fn main() {
                     .collect()
             }),
     };
+    if let Some(unknown) =
+        (settings.dtypes.iter().flatten()).find(|t| !["bf16", "f32", "f16"].contains(&t.as_str()))
+    {
+        eprintln!("bench: --dtypes takes bf16, f32 and f16, not {unknown:?}");
+        std::process::exit(2);
+    }
     let ctx = match Context::new(0) {
         Ok(ctx) => ctx,
         Err(e) => {
