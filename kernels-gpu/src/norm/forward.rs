@@ -170,7 +170,7 @@ pub(super) unsafe fn forward_regs<
             x[k] = src.hold(&raw[k]);
         }
         let (mean, rstd) = unsafe {
-            // Segment teams (one row each on the one-shot grid) shorten their sums' chain.
+            // Segment teams shorten their sums' chain (on the one-shot grid it is a team's life).
             let lane_sums = team.lanes != 0;
             row_stats_regs::<T, VEC, VPT, N, S>(
                 &mut reducer,
