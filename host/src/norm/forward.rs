@@ -362,19 +362,26 @@ mod tests {
             let rows_per_block = block / launch.kernel.key.lanes;
             assert_eq!(launch.grid, rows / rows_per_block, "{d}");
         }
-        // Plain LayerNorm: teams of 2 accesses walk a persistent grid of 256-thread blocks, none
-        // idle for a round; teams of 4 take the one-shot grid.
-        for d in [128, 256] {
-            let launch = plan(&call(Norm::Layer, 1 << 20, d), &H200)
+        // Plain LayerNorm: teams of 2 accesses walk 4 rows each in 128-thread blocks (a grid
+        // limit still holds: then they walk more); teams of 4 take the one-shot grid.
+        for (d, name) in [
+            (128, "layer_norm_fwd_bf16_v2l8"),
+            (256, "layer_norm_fwd_bf16_v2l16"),
+        ] {
+            for rows in [1 << 20, 1000] {
+                let launch = plan(&call(Norm::Layer, rows, d), &H200).unwrap().unwrap();
+                assert_eq!((launch.kernel.name, launch.block), (name, 128), "{d}");
+                let rows_per_block = 128 / launch.kernel.key.lanes * 4;
+                assert_eq!(launch.grid, rows.div_ceil(rows_per_block), "{d} {rows}");
+            }
+            let limited = FakeH200 {
+                grid_limit: Some(7),
+                ..H200
+            };
+            let launch = plan(&call(Norm::Layer, 1 << 20, d), &limited)
                 .unwrap()
                 .unwrap();
-            assert_eq!((launch.kernel.key.vpt, launch.block), (2, 256), "{d}");
-            let teams = launch.grid * 256 / launch.kernel.key.lanes;
-            let rows = 1usize << 20;
-            assert!(
-                teams < rows && rows.div_ceil(teams) * teams - rows < teams,
-                "{d}"
-            );
+            assert_eq!((launch.block, launch.grid), (128, 7), "{d}");
         }
         for (d, name) in [
             (512, "layer_norm_fwd_bf16_v4l16"),

@@ -44,7 +44,8 @@ pub use forward::{NormForward, ResidualAdd};
 use normkern_gpu::kernel::{Dtype as KernelDtype, Kernel, Table};
 use normkern_gpu::norm::segments::SEGMENT_THREADS;
 use normkern_gpu::norm::{
-    Norm, NormKey, STREAM, forward_one_shot_threads, forward_segments_one_shot,
+    FORWARD_WALK_ROWS_PER_TEAM, FORWARD_WALK_THREADS, Norm, NormKey, STREAM,
+    forward_one_shot_threads, forward_segments_one_shot,
 };
 
 use crate::error::{Error, Result};
@@ -134,15 +135,17 @@ pub(crate) struct RowLaunch<P: 'static> {
     /// covers `SEGMENT_THREADS / lanes` of them), or the block one item (a group of rows).
     pub items_per_team: bool,
     /// The forward: the bytes each row moves, which size the block of segment teams on a
-    /// one-shot grid (where `forward_segments_one_shot` takes one). `None` (the backward): the
-    /// persistent grid of `SEGMENT_THREADS`.
+    /// one-shot grid (where `forward_segments_one_shot` takes one; the other segment teams walk
+    /// `FORWARD_WALK_ROWS_PER_TEAM` rows each). `None` (the backward): the persistent grid of
+    /// `SEGMENT_THREADS`.
     pub one_shot_row_bytes: Option<usize>,
     pub params: P,
 }
 
 impl<P: Copy> RowLaunch<P> {
     /// The tile for a row of `d` elements among the compiled ones, and a persistent grid over the
-    /// work items (the forward's one-shot segment teams: a block per few rows).
+    /// work items (the forward's segment teams: a block per few rows, one a team on the one-shot
+    /// grid, `FORWARD_WALK_ROWS_PER_TEAM` on the walk's).
     /// `prefetches(vpt)`: whether that register tile keeps the next row in flight.
     // Launch arithmetic on validated sizes and the table's few tiles.
     #[allow(clippy::arithmetic_side_effects)]
@@ -245,14 +248,22 @@ impl<P: Copy> RowLaunch<P> {
         let one_shot = self
             .one_shot_row_bytes
             .filter(|_| lanes != 0 && forward_segments_one_shot(centered, self.key.residual, vpt));
-        let threads = one_shot.map_or(threads, |row_bytes| {
-            forward_one_shot_threads(lanes, row_bytes)
-        });
+        // The forward's other segment teams walk a few rows each (`FORWARD_WALK_THREADS`).
+        let walk = self.one_shot_row_bytes.is_some() && lanes != 0 && one_shot.is_none();
+        let threads = match one_shot {
+            Some(row_bytes) => forward_one_shot_threads(lanes, row_bytes),
+            None if walk => FORWARD_WALK_THREADS,
+            None => threads,
+        };
         let shared_bytes = (kernel.shared_bytes)(threads);
         let grid = if one_shot.is_some() {
             // A block per `threads / lanes` rows, a team per row: no occupancy query; a grid
             // limit still holds (the teams walk the rows by grid stride).
             full_grid(device, self.work.div_ceil(threads / lanes))
+        } else if walk {
+            // Teams of `FORWARD_WALK_ROWS_PER_TEAM` rows each; as above, no occupancy query.
+            let rows_per_block = threads / lanes * FORWARD_WALK_ROWS_PER_TEAM;
+            full_grid(device, self.work.div_ceil(rows_per_block))
         } else {
             let work = if lanes != 0 && self.items_per_team {
                 self.work.div_ceil(threads / lanes)

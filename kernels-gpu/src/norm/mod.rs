@@ -59,8 +59,9 @@ mod tile;
 
 pub use params::{BackwardParams, ForwardParams};
 pub use policy::{
-    FORWARD_ONE_SHOT_BLOCK_BYTES, STREAM, forward_fewest_accesses, forward_one_shot_threads,
-    forward_prefetches, forward_segments_one_shot, forward_stream_threads,
+    FORWARD_ONE_SHOT_BLOCK_BYTES, FORWARD_WALK_ROWS_PER_TEAM, FORWARD_WALK_THREADS, STREAM,
+    forward_fewest_accesses, forward_one_shot_threads, forward_prefetches,
+    forward_segments_one_shot, forward_stream_threads,
 };
 pub use staged::STAGES;
 

@@ -51,8 +51,8 @@ pub const fn forward_stream_threads(residual: bool, row_bytes: usize) -> usize {
 
 /// Whether a forward over segment teams (`super::segments`) of `vpt` accesses per thread takes a
 /// one-shot grid — a block of [`forward_one_shot_threads`] per few rows, each team one row and no
-/// next row in flight, finished blocks replaced by new ones — rather than a persistent grid of
-/// [`SEGMENT_THREADS`]-thread blocks that walk the rows with the next one in flight. One-shot
+/// next row in flight, finished blocks replaced by new ones — rather than the walk, whose teams
+/// take a few rows each with the next one in flight ([`FORWARD_WALK_THREADS`]). One-shot
 /// teams need no registers for a second row, so more warps stay resident. Plain LayerNorm waits
 /// for two reductions per row: with 2 accesses per thread the walk's prefetch hides them better
 /// (one-shot measured 2 points lower at d = 256, equal at 128); with 4 one-shot measured 4–6
@@ -60,6 +60,15 @@ pub const fn forward_stream_threads(residual: bool, row_bytes: usize) -> usize {
 pub const fn forward_segments_one_shot(centered: bool, residual: bool, vpt: usize) -> bool {
     !centered || residual || vpt >= 4
 }
+
+/// The forward walk's blocks (segment teams where [`forward_segments_one_shot`] is false): this
+/// many threads, each team walking [`FORWARD_WALK_ROWS_PER_TEAM`] rows with the next one in flight
+/// — a grid of `rows / (teams per block · 4)` blocks, finished blocks replaced by new ones, rather
+/// than a persistent grid of [`SEGMENT_THREADS`]-thread blocks walking all rows. Plain LayerNorm
+/// at d = 128 and 256 (16 bits) measured 1.5–2 points higher than the persistent walk; 256-thread
+/// blocks of 1–8 rows a team 3–14 points lower (`bench-results/h200.md`, thirty-fourth session).
+pub const FORWARD_WALK_THREADS: usize = 128;
+pub const FORWARD_WALK_ROWS_PER_TEAM: usize = 4;
 
 /// The fewest bytes a one-shot forward block moves (its rows' loads and stores): blocks that move
 /// less end faster than the SM starts new ones (RMSNorm d = 128, 16 bits: 2 KiB blocks measured 13

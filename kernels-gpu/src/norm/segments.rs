@@ -22,7 +22,7 @@ use crate::element::Element;
 use crate::reduce::{RowReducer, Team};
 
 /// Threads of every backward segment-team block (the warps whose sums a group adds in order) and
-/// of the forward's persistent walk.
+/// of the forward's one-shot blocks at most.
 pub const SEGMENT_THREADS: usize = 256;
 const SEGMENT_WARPS: usize = SEGMENT_THREADS / WARP;
 
