@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use normkern::cudarc::driver::sys::CUevent_flags;
+use normkern::cudarc::driver::sys::{self, CUevent_flags};
 use normkern::cudarc::driver::{CudaContext, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use normkern::cudarc::nvrtc::Ptx;
 
@@ -191,9 +191,23 @@ const ONE_THREAD: LaunchConfig = LaunchConfig {
     shared_mem_bytes: 0,
 };
 
-/// Median host time (µs) of one launch of an empty kernel through cudarc (`cuLaunchKernel`), the
-/// floor under any call's host time: a call that enqueues n kernels costs at least n of these.
-pub fn launch_floor_us(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, reps: usize) -> f64 {
+/// Median host times (µs) of one launch of an empty kernel: the floor under any call's host
+/// time (a call that enqueues n kernels costs at least n of these).
+#[derive(Clone, Copy, Debug)]
+pub struct LaunchFloor {
+    /// Through cudarc (`cuLaunchKernel`).
+    pub plain_us: f64,
+    /// `cuLaunchKernelEx` with the cooperative attribute, as the backwards' single launch
+    /// (in-launch dγ/dβ sums) goes.
+    pub cooperative_us: f64,
+}
+
+/// [`LaunchFloor`] over `reps` launches of each kind, issued back to back.
+pub fn launch_floor_us(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    reps: usize,
+) -> LaunchFloor {
     let module = ctx
         .load_module(Ptx::from_src(TIMING_KERNELS))
         .expect("empty kernel");
@@ -203,13 +217,53 @@ pub fn launch_floor_us(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, reps: u
         block_dim: (32, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut host = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let start = std::time::Instant::now();
+    let timed = |launch: &dyn Fn()| {
+        let mut host = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            let start = std::time::Instant::now();
+            launch();
+            host.push(start.elapsed().as_secs_f64() * 1e6);
+        }
+        stream.synchronize().expect("sync");
+        median(host)
+    };
+    let plain_us = timed(&|| {
         // SAFETY: the kernel takes no arguments and touches nothing.
         unsafe { stream.launch_builder(&empty).launch(config) }.expect("launch");
-        host.push(start.elapsed().as_secs_f64() * 1e6);
+    });
+    // The driver launches into the context current on this thread.
+    ctx.bind_to_thread().expect("context");
+    let cooperative_us = timed(&|| {
+        // SAFETY: an all-zero attribute is a valid one; its id and value are set below.
+        let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+        attribute.value.cooperative = 1;
+        let launch = sys::CUlaunchConfig {
+            gridDimX: 1,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: 32,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: stream.cu_stream(),
+            attrs: &mut attribute,
+            numAttrs: 1,
+        };
+        // SAFETY: as above; the configuration names a live stream and one attribute.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &launch,
+                empty.cu_function(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .expect("cooperative launch")
+    });
+    LaunchFloor {
+        plain_us,
+        cooperative_us,
     }
-    stream.synchronize().expect("sync");
-    median(host)
 }

@@ -66,7 +66,9 @@ pub const fn forward_segments_one_shot(centered: bool, residual: bool, vpt: usiz
 /// — a grid of `rows / (teams per block · 4)` blocks, finished blocks replaced by new ones, rather
 /// than a persistent grid of [`SEGMENT_THREADS`]-thread blocks walking all rows. Plain LayerNorm
 /// at d = 128 and 256 (16 bits) measured 1.5–2 points higher than the persistent walk; 256-thread
-/// blocks of 1–8 rows a team 3–14 points lower (`bench-results/h200.md`, thirty-fourth session).
+/// blocks of 1–8 rows a team 3–14 points lower, 64-thread blocks of 2 level with it
+/// (`bench-results/h200.md`, thirty-fourth session). f32 and single-element rows that take the
+/// walk follow by the same rule, not measured.
 pub const FORWARD_WALK_THREADS: usize = 128;
 pub const FORWARD_WALK_ROWS_PER_TEAM: usize = 4;
 

@@ -139,7 +139,9 @@ fn main() {
     let launch_floor = launch_floor_us(ctx.cuda(), &stream, 1000);
     if param_grads {
         println!(
-            "device: {name}; copy bandwidth {copy:.0} GB/s; launch floor {launch_floor:.1} host µs"
+            "device: {name}; copy bandwidth {copy:.0} GB/s; launch floor {:.1} host µs ({:.1} \
+             cooperative)",
+            launch_floor.plain_us, launch_floor.cooperative_us
         );
         param_grads::run(&ctx, &stream, copy);
         return;
@@ -163,7 +165,9 @@ fn main() {
     );
     println!("copy bandwidth (device-to-device, read + write): {copy:.0} GB/s");
     println!(
-        "launch floor: {launch_floor:.1} host µs per launch of an empty kernel (cudarc, median of 1000)"
+        "launch floor: {:.1} host µs per launch of an empty kernel (cudarc, median of 1000); {:.1} \
+         as a cooperative launch (the backwards' single launch)",
+        launch_floor.plain_us, launch_floor.cooperative_us
     );
     println!(
         "device µs: CUDA events around each call, {}",
