@@ -198,8 +198,8 @@ pub struct LaunchFloor {
     /// Through cudarc (`cuLaunchKernel`).
     pub plain_us: f64,
     /// `cuLaunchKernelEx` with the cooperative attribute, as the backwards' single launch
-    /// (in-launch dγ/dβ sums) goes.
-    pub cooperative_us: f64,
+    /// (in-launch dγ/dβ sums) goes; `None` where the device refuses it.
+    pub cooperative_us: Option<f64>,
 }
 
 /// [`LaunchFloor`] over `reps` launches of each kind, issued back to back.
@@ -233,7 +233,7 @@ pub fn launch_floor_us(
     });
     // The driver launches into the context current on this thread.
     ctx.bind_to_thread().expect("context");
-    let cooperative_us = timed(&|| {
+    let cooperative = || {
         // SAFETY: an all-zero attribute is a valid one; its id and value are set below.
         let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
@@ -250,7 +250,8 @@ pub fn launch_floor_us(
             attrs: &mut attribute,
             numAttrs: 1,
         };
-        // SAFETY: as above; the configuration names a live stream and one attribute.
+        // SAFETY: the kernel takes no arguments and touches nothing; the configuration names a
+        // live stream and one attribute.
         unsafe {
             sys::cuLaunchKernelEx(
                 &launch,
@@ -260,7 +261,12 @@ pub fn launch_floor_us(
             )
         }
         .result()
-        .expect("cooperative launch")
+    };
+    // A device or driver without cooperative launches: no figure rather than no bench.
+    let cooperative_us = cooperative().is_ok().then(|| {
+        timed(&|| {
+            cooperative().expect("cooperative launch");
+        })
     });
     LaunchFloor {
         plain_us,

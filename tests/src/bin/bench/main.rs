@@ -137,11 +137,13 @@ fn main() {
     let name = ctx.cuda().name().unwrap_or_default();
     let copy = copy_bandwidth(ctx.cuda(), &stream, 50);
     let launch_floor = launch_floor_us(ctx.cuda(), &stream, 1000);
+    let cooperative =
+        (launch_floor.cooperative_us).map_or("refused".to_owned(), |us| format!("{us:.1}"));
     if param_grads {
         println!(
-            "device: {name}; copy bandwidth {copy:.0} GB/s; launch floor {:.1} host µs ({:.1} \
+            "device: {name}; copy bandwidth {copy:.0} GB/s; launch floor {:.1} host µs ({} \
              cooperative)",
-            launch_floor.plain_us, launch_floor.cooperative_us
+            launch_floor.plain_us, cooperative
         );
         param_grads::run(&ctx, &stream, copy);
         return;
@@ -165,9 +167,9 @@ fn main() {
     );
     println!("copy bandwidth (device-to-device, read + write): {copy:.0} GB/s");
     println!(
-        "launch floor: {:.1} host µs per launch of an empty kernel (cudarc, median of 1000); {:.1} \
+        "launch floor: {:.1} host µs per launch of an empty kernel (cudarc, median of 1000); {} \
          as a cooperative launch (the backwards' single launch)",
-        launch_floor.plain_us, launch_floor.cooperative_us
+        launch_floor.plain_us, cooperative
     );
     println!(
         "device µs: CUDA events around each call, {}",
