@@ -362,18 +362,23 @@ mod tests {
             let rows_per_block = block / launch.kernel.key.lanes;
             assert_eq!(launch.grid, rows / rows_per_block, "{d}");
         }
-        // Plain LayerNorm: teams of 2 accesses walk 4 rows each in 128-thread blocks (a grid
-        // limit still holds: then they walk more); teams of 4 take the one-shot grid.
-        for (d, name) in [
-            (128, "layer_norm_fwd_bf16_v2l8"),
-            (256, "layer_norm_fwd_bf16_v2l16"),
+        // Plain LayerNorm: teams of 2 accesses walk 4 rows each in 128-thread blocks, or fewer
+        // where that would leave fewer blocks than a team per row keeps resident (1320 on the
+        // fake H200: 10 a SM by its registers); a grid limit still holds (then they walk more).
+        // Teams of 4 take the one-shot grid.
+        for (d, name, rows, rows_per_team) in [
+            (128, "layer_norm_fwd_bf16_v2l8", 1 << 20, 4),
+            (128, "layer_norm_fwd_bf16_v2l8", 40000, 2),
+            (128, "layer_norm_fwd_bf16_v2l8", 1000, 1),
+            (256, "layer_norm_fwd_bf16_v2l16", 1 << 20, 4),
+            (256, "layer_norm_fwd_bf16_v2l16", 1000, 1),
         ] {
-            for rows in [1 << 20, 1000] {
-                let launch = plan(&call(Norm::Layer, rows, d), &H200).unwrap().unwrap();
-                assert_eq!((launch.kernel.name, launch.block), (name, 128), "{d}");
-                let rows_per_block = 128 / launch.kernel.key.lanes * 4;
-                assert_eq!(launch.grid, rows.div_ceil(rows_per_block), "{d} {rows}");
-            }
+            let launch = plan(&call(Norm::Layer, rows, d), &H200).unwrap().unwrap();
+            assert_eq!((launch.kernel.name, launch.block), (name, 128), "{d}");
+            let teams = launch.grid * 128 / launch.kernel.key.lanes;
+            assert_eq!(rows.div_ceil(teams), rows_per_team, "{d} {rows}");
+        }
+        for d in [128, 256] {
             let limited = FakeH200 {
                 grid_limit: Some(7),
                 ..H200

@@ -261,9 +261,23 @@ impl<P: Copy> RowLaunch<P> {
             // limit still holds (the teams walk the rows by grid stride).
             full_grid(device, self.work.div_ceil(threads / lanes))
         } else if walk {
-            // Teams of `FORWARD_WALK_ROWS_PER_TEAM` rows each; as above, no occupancy query.
-            let rows_per_block = threads / lanes * FORWARD_WALK_ROWS_PER_TEAM;
-            full_grid(device, self.work.div_ceil(rows_per_block))
+            // Teams of `FORWARD_WALK_ROWS_PER_TEAM` rows each, but never fewer blocks than a
+            // team per row would keep resident: a small batch spreads over the SMs, a team per
+            // row, rather than queueing 4 rows in each of a few teams.
+            let teams = threads / lanes;
+            let full = full_grid(
+                device,
+                self.work.div_ceil(teams * FORWARD_WALK_ROWS_PER_TEAM),
+            );
+            let spread = self.work.div_ceil(teams);
+            full.max(persistent_grid(
+                device,
+                kernel.entry(),
+                spread,
+                threads,
+                1,
+                shared_bytes,
+            )?)
         } else {
             let work = if lanes != 0 && self.items_per_team {
                 self.work.div_ceil(threads / lanes)
