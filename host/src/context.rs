@@ -71,8 +71,8 @@ type OccupancyKey = (usize, usize, usize, usize);
 pub struct Context {
     cuda: Arc<CudaContext>,
     _module: Arc<CudaModule>,
-    /// Every kernel of the tables this PTX has, by kernel id.
-    kernels: HashMap<usize, Loaded>,
+    /// Every kernel of the tables this PTX has, by kernel id (looked up on every launch).
+    kernels: HashMap<usize, Loaded, foldhash::fast::FixedState>,
     ptx_arch: u32,
     kernel_image: KernelImage,
     sm_count: usize,
@@ -191,7 +191,7 @@ impl Context {
         let sm_count = attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let shared_opt_in =
             attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
-        let mut kernels = HashMap::new();
+        let mut kernels = HashMap::default();
         for entry in normkern_gpu::kernels().filter(|e| e.min_arch <= ptx_arch) {
             let function = module
                 .load_function(entry.name)

@@ -200,12 +200,15 @@ pub(crate) fn threads_within_shared(
 }
 
 /// Answers that depend only on their question, kept after the first time they are worked out
-/// (the driver's occupancy answers, the row tiles the plans choose).
-pub struct Memo<K, V>(std::sync::Mutex<std::collections::HashMap<K, V>>);
+/// (the driver's occupancy answers, the row tiles the plans choose). Asked on every call: hashed
+/// with foldhash's fixed-seed hasher (the questions are the plans' own, no hostile keys).
+pub struct Memo<K, V>(
+    std::sync::Mutex<std::collections::HashMap<K, V, foldhash::fast::FixedState>>,
+);
 
 impl<K, V> Default for Memo<K, V> {
     fn default() -> Self {
-        Memo(std::sync::Mutex::new(std::collections::HashMap::new()))
+        Memo(std::sync::Mutex::new(std::collections::HashMap::default()))
     }
 }
 

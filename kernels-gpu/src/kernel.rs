@@ -60,7 +60,11 @@ pub struct Kernel<K: 'static, P: 'static> {
 #[cfg(not(target_arch = "nvptx64"))]
 pub struct Table<K: 'static, P: 'static> {
     lines: &'static [&'static [&'static [Kernel<K, P>]]],
-    index: std::sync::OnceLock<std::collections::HashMap<K, &'static Kernel<K, P>>>,
+    /// Keyed with foldhash's fixed-seed hasher: every launch looks kernels up here, and the keys
+    /// are the tables' own (no hostile input for a keyed hash to guard against).
+    index: std::sync::OnceLock<
+        std::collections::HashMap<K, &'static Kernel<K, P>, foldhash::fast::FixedState>,
+    >,
 }
 
 #[cfg(not(target_arch = "nvptx64"))]
