@@ -136,8 +136,8 @@ pub(crate) struct RowLaunch<P: 'static> {
     pub items_per_team: bool,
     /// The forward: the bytes each row moves, which size the block of segment teams on a
     /// one-shot grid (where `forward_segments_one_shot` takes one; the other segment teams walk
-    /// `FORWARD_WALK_ROWS_PER_TEAM` rows each). `None` (the backward): the persistent grid of
-    /// `SEGMENT_THREADS`.
+    /// up to `FORWARD_WALK_ROWS_PER_TEAM` rows each). `None` (the backward): the persistent grid
+    /// of `SEGMENT_THREADS`.
     pub one_shot_row_bytes: Option<usize>,
     pub params: P,
 }
@@ -145,7 +145,7 @@ pub(crate) struct RowLaunch<P: 'static> {
 impl<P: Copy> RowLaunch<P> {
     /// The tile for a row of `d` elements among the compiled ones, and a persistent grid over the
     /// work items (the forward's segment teams: a block per few rows, one a team on the one-shot
-    /// grid, `FORWARD_WALK_ROWS_PER_TEAM` on the walk's).
+    /// grid, up to `FORWARD_WALK_ROWS_PER_TEAM` on the walk's).
     /// `prefetches(vpt)`: whether that register tile keeps the next row in flight.
     // Launch arithmetic on validated sizes and the table's few tiles.
     #[allow(clippy::arithmetic_side_effects)]
