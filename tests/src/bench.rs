@@ -10,7 +10,7 @@ use normkern::cudarc::nvrtc::Ptx;
 /// Medians of one call's device time (CUDA events around it on the stream) and host time (what
 /// the call itself takes on the CPU: validation, planning and enqueueing), in µs. The host time
 /// is taken over calls issued back to back, as a training loop issues them and as
-/// [`launch_floor_us`] times its empty launches, not over the timed calls, each of which follows
+/// [`launch_floor`] times its empty launches, not over the timed calls, each of which follows
 /// an event record and a synchronize.
 #[derive(Clone, Copy, Debug)]
 pub struct Timing {
@@ -203,11 +203,7 @@ pub struct LaunchFloor {
 }
 
 /// [`LaunchFloor`] over `reps` launches of each kind, issued back to back.
-pub fn launch_floor_us(
-    ctx: &Arc<CudaContext>,
-    stream: &Arc<CudaStream>,
-    reps: usize,
-) -> LaunchFloor {
+pub fn launch_floor(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, reps: usize) -> LaunchFloor {
     let module = ctx
         .load_module(Ptx::from_src(TIMING_KERNELS))
         .expect("empty kernel");

@@ -443,7 +443,7 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
                 fewest_accesses: 1,
                 stream_threads: STREAM_THREADS,
                 items_per_team: false,
-                one_shot_row_bytes: None,
+                forward_row_bytes: None,
                 params,
             }
             .plan(device, |_| false)

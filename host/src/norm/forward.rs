@@ -304,7 +304,7 @@ pub(crate) fn plan(
         fewest_accesses: forward_fewest_accesses(centered, key.residual),
         stream_threads: forward_stream_threads(key.residual, d.saturating_mul(bytes)),
         items_per_team: true,
-        one_shot_row_bytes: Some(d.saturating_mul(row_bytes_per_element)),
+        forward_row_bytes: Some(d.saturating_mul(row_bytes_per_element)),
         params,
     }
     .plan(device, |vpt| {

@@ -138,7 +138,7 @@ pub(crate) struct RowLaunch<P: 'static> {
     /// one-shot grid (where `forward_segments_one_shot` takes one; the other segment teams walk
     /// up to `FORWARD_WALK_ROWS_PER_TEAM` rows each). `None` (the backward): the persistent grid
     /// of `SEGMENT_THREADS`.
-    pub one_shot_row_bytes: Option<usize>,
+    pub forward_row_bytes: Option<usize>,
     pub params: P,
 }
 
@@ -244,23 +244,21 @@ impl<P: Copy> RowLaunch<P> {
         };
         let kernel = kernel(vpt, cluster > 1, lanes)
             .ok_or(Error::Internal("the chosen tile is not compiled"))?;
+        // The forward's segment teams: one row each on the one-shot grid, else a short walk.
         let centered = self.key.norm == Norm::Layer;
-        let one_shot = self
-            .one_shot_row_bytes
-            .filter(|_| lanes != 0 && forward_segments_one_shot(centered, self.key.residual, vpt));
-        // The forward's other segment teams walk a few rows each (`FORWARD_WALK_THREADS`).
-        let walk = self.one_shot_row_bytes.is_some() && lanes != 0 && one_shot.is_none();
-        let threads = match one_shot {
-            Some(row_bytes) => forward_one_shot_threads(lanes, row_bytes),
-            None if walk => FORWARD_WALK_THREADS,
+        let one_shot = forward_segments_one_shot(centered, self.key.residual, vpt);
+        let forward_teams = self.forward_row_bytes.filter(|_| lanes != 0);
+        let threads = match forward_teams {
+            Some(row_bytes) if one_shot => forward_one_shot_threads(lanes, row_bytes),
+            Some(_) => FORWARD_WALK_THREADS,
             None => threads,
         };
         let shared_bytes = (kernel.shared_bytes)(threads);
-        let grid = if one_shot.is_some() {
+        let grid = if forward_teams.is_some() && one_shot {
             // A block per `threads / lanes` rows, a team per row: no occupancy query; a grid
             // limit still holds (the teams walk the rows by grid stride).
             full_grid(device, self.work.div_ceil(threads / lanes))
-        } else if walk {
+        } else if forward_teams.is_some() {
             // Teams of `FORWARD_WALK_ROWS_PER_TEAM` rows each, but never fewer blocks than a
             // team per row would keep resident: a small batch spreads over the SMs, a team per
             // row, rather than queueing 4 rows in each of a few teams.

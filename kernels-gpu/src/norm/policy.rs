@@ -62,13 +62,13 @@ pub const fn forward_segments_one_shot(centered: bool, residual: bool, vpt: usiz
 }
 
 /// The forward walk's blocks (segment teams where [`forward_segments_one_shot`] is false): this
-/// many threads, each team walking [`FORWARD_WALK_ROWS_PER_TEAM`] rows with the next one in flight
-/// — a grid of `rows / (teams per block · 4)` blocks, finished blocks replaced by new ones (but
-/// never fewer blocks than a team per row keeps resident: a small batch still spreads over the
-/// SMs), rather than a persistent grid of [`SEGMENT_THREADS`]-thread blocks walking all rows. Plain LayerNorm
-/// at d = 128 and 256 (16 bits) measured 1.5–2 points higher than the persistent walk; 256-thread
-/// blocks of 1–8 rows a team 3–14 points lower, 64-thread blocks of 2 level with it
-/// (`bench-results/h200.md`, thirty-fourth session). f32 and single-element rows that take the
+/// many threads, each team walking [`FORWARD_WALK_ROWS_PER_TEAM`] rows with the next one in
+/// flight — a grid of `rows / (teams per block · 4)` blocks, finished blocks replaced by new ones
+/// (but never fewer blocks than a team per row keeps resident: a small batch still spreads over
+/// the SMs), rather than a persistent grid of [`SEGMENT_THREADS`]-thread blocks walking all rows.
+/// Plain LayerNorm at d = 128 and 256 (16 bits) measured 1.5–2 points higher than the persistent
+/// walk; 256-thread blocks of 1–8 rows a team 3–14 points lower, 64-thread blocks of 2 level with
+/// it (`bench-results/h200.md`, thirty-fourth session). f32 and single-element rows that take the
 /// walk follow by the same rule, not measured.
 pub const FORWARD_WALK_THREADS: usize = 128;
 pub const FORWARD_WALK_ROWS_PER_TEAM: usize = 4;

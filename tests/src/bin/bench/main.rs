@@ -21,7 +21,7 @@ mod norm;
 mod param_grads;
 
 use normkern::{Context, ParamGradients};
-use normkern_tests::bench::{Timing, copy_bandwidth, idle_timing, launch_floor_us};
+use normkern_tests::bench::{Timing, copy_bandwidth, idle_timing, launch_floor};
 
 /// One measured row of the table.
 pub struct Measurement {
@@ -136,14 +136,13 @@ fn main() {
     let stream = ctx.cuda().new_stream().expect("stream");
     let name = ctx.cuda().name().unwrap_or_default();
     let copy = copy_bandwidth(ctx.cuda(), &stream, 50);
-    let launch_floor = launch_floor_us(ctx.cuda(), &stream, 1000);
-    let cooperative =
-        (launch_floor.cooperative_us).map_or("refused".to_owned(), |us| format!("{us:.1}"));
+    let floor = launch_floor(ctx.cuda(), &stream, 1000);
+    let cooperative = (floor.cooperative_us).map_or("refused".to_owned(), |us| format!("{us:.1}"));
     if param_grads {
         println!(
             "device: {name}; copy bandwidth {copy:.0} GB/s; launch floor {:.1} host µs ({} \
              cooperative)",
-            launch_floor.plain_us, cooperative
+            floor.plain_us, cooperative
         );
         param_grads::run(&ctx, &stream, copy);
         return;
@@ -169,7 +168,7 @@ fn main() {
     println!(
         "launch floor: {:.1} host µs per launch of an empty kernel (cudarc, median of 1000); {} \
          as a cooperative launch (the backwards' single launch)",
-        launch_floor.plain_us, cooperative
+        floor.plain_us, cooperative
     );
     println!(
         "device µs: CUDA events around each call, {}",
