@@ -4,18 +4,23 @@
 use std::sync::Arc;
 
 use normkern::cudarc::driver::sys::{self, CUevent_flags};
-use normkern::cudarc::driver::{CudaContext, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use normkern::cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
 use normkern::cudarc::nvrtc::Ptx;
 
 /// Medians of one call's device time (CUDA events around it on the stream) and host time (what
-/// the call itself takes on the CPU: validation, planning and enqueueing), in µs. The host time
-/// is taken over calls issued back to back, as a training loop issues them and as
-/// [`launch_floor`] times its empty launches, not over the timed calls, each of which follows
-/// an event record and a synchronize.
+/// the call itself takes on the CPU: validation, planning and enqueueing), in µs, not over the
+/// timed calls, each of which follows an event record and a synchronize.
 #[derive(Clone, Copy, Debug)]
 pub struct Timing {
     pub device_us: f64,
+    /// Over calls issued back to back, as a training loop issues them: where the GPU is the
+    /// slower, the calls queue up behind it (which the driver's enqueueing may feel).
     pub host_us: f64,
+    /// Over calls each issued on an idle stream (after a synchronize): a host-bound loop's
+    /// case, where the GPU keeps up, and how [`launch_floor`] times its empty launches.
+    pub host_idle_us: f64,
 }
 
 /// How long the GPU spins before each timed call (ns): longer than any call's host time, so the
@@ -107,16 +112,45 @@ pub fn time_on(
         end.synchronize().expect("sync");
         device.push(start.elapsed_ms(&end).expect("elapsed") as f64 * 1e3);
     }
-    let mut host = Vec::with_capacity(reps);
-    for i in 0..reps {
-        let call = std::time::Instant::now();
-        f(warmup + reps + i);
-        host.push(call.elapsed().as_secs_f64() * 1e6);
-    }
-    stream.synchronize().expect("sync");
+    let mut next = warmup + reps;
+    let host = host_medians(stream, reps, &mut || {
+        f(next);
+        next += 1;
+    });
     Timing {
         device_us: median(device),
-        host_us: median(host),
+        host_us: host.back_to_back_us,
+        host_idle_us: host.idle_us,
+    }
+}
+
+/// Median host times (µs) of something enqueued on a stream.
+#[derive(Clone, Copy, Debug)]
+pub struct HostTime {
+    /// Over `reps` issued back to back.
+    pub back_to_back_us: f64,
+    /// Over `reps` more, each issued on an idle stream (after a synchronize, not timed).
+    pub idle_us: f64,
+}
+
+/// [`HostTime`] of `enqueue` on `stream`.
+pub fn host_medians(stream: &CudaStream, reps: usize, enqueue: &mut dyn FnMut()) -> HostTime {
+    let mut timed = |idle: bool| {
+        let mut host = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            if idle {
+                stream.synchronize().expect("sync");
+            }
+            let start = std::time::Instant::now();
+            enqueue();
+            host.push(start.elapsed().as_secs_f64() * 1e6);
+        }
+        stream.synchronize().expect("sync");
+        median(host)
+    };
+    HostTime {
+        back_to_back_us: timed(false),
+        idle_us: timed(true),
     }
 }
 
@@ -185,24 +219,41 @@ SPIN:
 }
 ";
 
+/// [`TIMING_KERNELS`]' empty kernel built for sm_90, which cluster launches need.
+const CLUSTER_TIMING_KERNEL: &str = "
+.version 7.8
+.target sm_90
+.address_size 64
+.visible .entry empty()
+{
+    ret;
+}
+";
+
 const ONE_THREAD: LaunchConfig = LaunchConfig {
     grid_dim: (1, 1, 1),
     block_dim: (1, 1, 1),
     shared_mem_bytes: 0,
 };
 
-/// Median host times (µs) of one launch of an empty kernel: the floor under any call's host
-/// time (a call that enqueues n kernels costs at least n of these).
+/// Host times of one launch of an empty kernel, by how it is launched: the floor under any
+/// call's host time (a call that enqueues n kernels costs at least n of these).
 #[derive(Clone, Copy, Debug)]
 pub struct LaunchFloor {
     /// Through cudarc (`cuLaunchKernel`).
-    pub plain_us: f64,
+    pub plain: HostTime,
+    /// `cuLaunchKernelEx` without attributes, as normkern launches a kernel that is neither
+    /// cooperative nor in clusters.
+    pub ex: HostTime,
     /// `cuLaunchKernelEx` with the cooperative attribute, as the backwards' single launch
     /// (in-launch dγ/dβ sums) goes; `None` where the device refuses it.
-    pub cooperative_us: Option<f64>,
+    pub cooperative: Option<HostTime>,
+    /// `cuLaunchKernelEx` with clusters of two blocks (the wide rows' kernels); `None` where
+    /// the device has no clusters (before sm_90).
+    pub cluster: Option<HostTime>,
 }
 
-/// [`LaunchFloor`] over `reps` launches of each kind, issued back to back.
+/// [`LaunchFloor`] over `reps` launches of each kind (back to back, then each on an idle stream).
 pub fn launch_floor(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, reps: usize) -> LaunchFloor {
     let module = ctx
         .load_module(Ptx::from_src(TIMING_KERNELS))
@@ -213,29 +264,17 @@ pub fn launch_floor(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, reps: usiz
         block_dim: (32, 1, 1),
         shared_mem_bytes: 0,
     };
-    let timed = |launch: &dyn Fn()| {
-        let mut host = Vec::with_capacity(reps);
-        for _ in 0..reps {
-            let start = std::time::Instant::now();
-            launch();
-            host.push(start.elapsed().as_secs_f64() * 1e6);
-        }
-        stream.synchronize().expect("sync");
-        median(host)
-    };
-    let plain_us = timed(&|| {
+    let plain = host_medians(stream, reps, &mut || {
         // SAFETY: the kernel takes no arguments and touches nothing.
         unsafe { stream.launch_builder(&empty).launch(config) }.expect("launch");
     });
     // The driver launches into the context current on this thread.
     ctx.bind_to_thread().expect("context");
-    let cooperative = || {
-        // SAFETY: an all-zero attribute is a valid one; its id and value are set below.
-        let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
-        attribute.value.cooperative = 1;
+    // One launch of `function` on two blocks through `cuLaunchKernelEx`, with `attribute` if any.
+    let launch_ex = |function: &CudaFunction, attribute: Option<sys::CUlaunchAttribute>| {
+        let mut attributes: Vec<sys::CUlaunchAttribute> = attribute.into_iter().collect();
         let launch = sys::CUlaunchConfig {
-            gridDimX: 1,
+            gridDimX: 2,
             gridDimY: 1,
             gridDimZ: 1,
             blockDimX: 32,
@@ -243,29 +282,45 @@ pub fn launch_floor(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, reps: usiz
             blockDimZ: 1,
             sharedMemBytes: 0,
             hStream: stream.cu_stream(),
-            attrs: &mut attribute,
-            numAttrs: 1,
+            attrs: attributes.as_mut_ptr(),
+            numAttrs: attributes.len() as u32,
         };
         // SAFETY: the kernel takes no arguments and touches nothing; the configuration names a
-        // live stream and one attribute.
+        // live stream and the attributes, which outlive the call.
         unsafe {
             sys::cuLaunchKernelEx(
                 &launch,
-                empty.cu_function(),
+                function.cu_function(),
                 std::ptr::null_mut(),
                 std::ptr::null_mut(),
             )
         }
         .result()
     };
-    // A device or driver without cooperative launches: no figure rather than no bench.
-    let cooperative_us = cooperative().is_ok().then(|| {
-        timed(&|| {
-            cooperative().expect("cooperative launch");
+    // A launch kind the device refuses gives no figure rather than no bench.
+    let floor_of = |function: &CudaFunction, attribute: Option<sys::CUlaunchAttribute>| {
+        launch_ex(function, attribute).is_ok().then(|| {
+            host_medians(stream, reps, &mut || {
+                launch_ex(function, attribute).expect("a launch that worked once");
+            })
         })
-    });
+    };
+    // SAFETY (both attributes): an all-zero attribute is a valid one; its id and value are set.
+    let mut cooperative: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    cooperative.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+    cooperative.value.cooperative = 1;
+    let mut cluster: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    cluster.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    cluster.value.clusterDim.x = 2;
+    cluster.value.clusterDim.y = 1;
+    cluster.value.clusterDim.z = 1;
+    // Clusters need code built for sm_90 or later: no module, no figure.
+    let cluster_module = ctx.load_module(Ptx::from_src(CLUSTER_TIMING_KERNEL)).ok();
+    let cluster_kernel = cluster_module.and_then(|m| m.load_function("empty").ok());
     LaunchFloor {
-        plain_us,
-        cooperative_us,
+        plain,
+        ex: floor_of(&empty, None).expect("a launch through cuLaunchKernelEx"),
+        cooperative: floor_of(&empty, Some(cooperative)),
+        cluster: cluster_kernel.and_then(|f| floor_of(&f, Some(cluster))),
     }
 }

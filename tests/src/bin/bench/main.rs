@@ -13,15 +13,17 @@
 //! 2026-12-02; the `--param-grads` latency table always times lone calls on an idle stream,
 //! launch included); inputs rotate over enough sets to exceed L2; bytes count the minimal
 //! traffic (each input read once, each output written once). "host µs per call" is the median
-//! CPU time of the call itself (validation, launch plan, enqueueing) over calls issued back to
-//! back, as the launch floor's empty launches are.
+//! CPU time of the call itself (validation, launch plan, enqueueing), over calls issued back to
+//! back and over calls each issued on an idle stream, as the launch floors' empty launches are.
 
 mod activation;
 mod norm;
 mod param_grads;
 
 use normkern::{Context, ParamGradients};
-use normkern_tests::bench::{Timing, copy_bandwidth, idle_timing, launch_floor};
+use normkern_tests::bench::{
+    HostTime, LaunchFloor, Timing, copy_bandwidth, idle_timing, launch_floor,
+};
 
 /// One measured row of the table.
 pub struct Measurement {
@@ -137,13 +139,12 @@ fn main() {
     let name = ctx.cuda().name().unwrap_or_default();
     let copy = copy_bandwidth(ctx.cuda(), &stream, 50);
     let floor = launch_floor(ctx.cuda(), &stream, 1000);
-    let cooperative = (floor.cooperative_us).map_or("refused".to_owned(), |us| format!("{us:.1}"));
     if param_grads {
         println!(
-            "device: {name}; copy bandwidth {copy:.0} GB/s; launch floor {:.1} host µs ({} \
-             cooperative)",
-            floor.plain_us, cooperative
+            "device: {name}; copy bandwidth {copy:.0} GB/s; launch floor {:.1} host µs",
+            floor.plain.back_to_back_us
         );
+        print_floor(&floor);
         param_grads::run(&ctx, &stream, copy);
         return;
     }
@@ -165,11 +166,7 @@ fn main() {
         ctx.ptx_arch()
     );
     println!("copy bandwidth (device-to-device, read + write): {copy:.0} GB/s");
-    println!(
-        "launch floor: {:.1} host µs per launch of an empty kernel (cudarc, median of 1000); {} \
-         as a cooperative launch (the backwards' single launch)",
-        floor.plain_us, cooperative
-    );
+    print_floor(&floor);
     println!(
         "device µs: CUDA events around each call, {}",
         if idle_timing() {
@@ -178,11 +175,14 @@ fn main() {
             "enqueued behind a 50 µs spin kernel (the call's device work alone)"
         }
     );
+    println!(
+        "host µs per call: back to back (calls queued behind the GPU) / each on an idle stream"
+    );
     println!("| op | rows×d | dtype | µs | GB/s | % of copy | host µs per call |");
     println!("|---|---|---|---:|---:|---:|---:|");
     for m in &results {
         println!(
-            "| {} | {}×{} | {} | {:.1} | {:.0} | {:.1} | {:.1} |",
+            "| {} | {}×{} | {} | {:.1} | {:.0} | {:.1} | {:.1} / {:.1} |",
             m.op,
             m.rows,
             m.d,
@@ -190,7 +190,8 @@ fn main() {
             m.timing.device_us,
             m.gbs(),
             m.pct_of(copy),
-            m.timing.host_us
+            m.timing.host_us,
+            m.timing.host_idle_us
         );
     }
     if let Some(path) = csv {
@@ -211,11 +212,13 @@ fn to_csv(results: &[Measurement], copy: f64) -> String {
             s.to_string()
         }
     };
-    let mut csv = String::from("op,direction,dtype,rows,d,us,gbs,pct_of_copy,copy_gbs,host_us\n");
+    let mut csv = String::from(
+        "op,direction,dtype,rows,d,us,gbs,pct_of_copy,copy_gbs,host_us,host_idle_us\n",
+    );
     for m in results {
         let (op, direction) = m.op_and_direction();
         csv += &format!(
-            "{},{direction},{},{},{},{:.2},{:.1},{:.2},{copy:.1},{:.2}\n",
+            "{},{direction},{},{},{},{:.2},{:.1},{:.2},{copy:.1},{:.2},{:.2}\n",
             field(&op),
             field(m.dtype),
             m.rows,
@@ -223,8 +226,27 @@ fn to_csv(results: &[Measurement], copy: f64) -> String {
             m.timing.device_us,
             m.gbs(),
             m.pct_of(copy),
-            m.timing.host_us
+            m.timing.host_us,
+            m.timing.host_idle_us
         );
     }
     csv
+}
+
+/// The launch floors, one line each: what an empty kernel's launch costs the host.
+fn print_floor(floor: &LaunchFloor) {
+    let host = |t: Option<HostTime>| {
+        t.map_or("refused".to_owned(), |t| {
+            format!("{:.1} / {:.1}", t.back_to_back_us, t.idle_us)
+        })
+    };
+    println!(
+        "launch floor, host µs per launch of an empty kernel (median of 1000 back to back / of \
+         1000 each on an idle stream): cudarc {}; cuLaunchKernelEx {}, cooperative {}, \
+         clusters of 2 {}",
+        host(Some(floor.plain)),
+        host(Some(floor.ex)),
+        host(floor.cooperative),
+        host(floor.cluster)
+    );
 }
