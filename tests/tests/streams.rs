@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use half::bf16;
-use normkern::activation::{self, Activation};
+use normkern::activation::{self, Activation, GatedBackward, GatedForward, GatedGrad, GatedInput};
 use normkern::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use normkern::cudarc::driver::{CudaSlice, CudaStream};
 use normkern::{
@@ -23,7 +23,8 @@ fn context() -> Option<Context> {
 }
 
 /// The operands of one pre-norm block step on one stream: LayerNorm forward with the residual add
-/// and its backward with dresidual, RMSNorm forward and backward, and a SiLU backward with dbias.
+/// and its backward with dresidual, RMSNorm forward and backward, a SiLU forward and backward with
+/// dbias, and a SwiGLU forward and backward.
 struct Block {
     rows: usize,
     d: usize,
@@ -54,8 +55,12 @@ struct Outputs {
     rms_rstd: CudaSlice<f32>,
     rms_dx: CudaSlice<bf16>,
     rms_dweight: CudaSlice<bf16>,
+    act_y: CudaSlice<bf16>,
     act_dx: CudaSlice<bf16>,
     act_dbias: CudaSlice<bf16>,
+    gated_h: CudaSlice<bf16>,
+    gated_da: CudaSlice<bf16>,
+    gated_db: CudaSlice<bf16>,
     workspace: CudaSlice<f32>,
     act_workspace: CudaSlice<f32>,
 }
@@ -90,8 +95,12 @@ impl Block {
                 rms_rstd: zeros32(rows),
                 rms_dx: zeros(n),
                 rms_dweight: zeros(d),
+                act_y: zeros(n),
                 act_dx: zeros(n),
                 act_dbias: zeros(d),
+                gated_h: zeros(n),
+                gated_da: zeros(n),
+                gated_db: zeros(n),
                 workspace: zeros32(workspace),
                 act_workspace: zeros32(act_workspace),
             },
@@ -135,8 +144,12 @@ impl Block {
             &mut o.rms_y,
             &mut o.rms_dx,
             &mut o.rms_dweight,
+            &mut o.act_y,
             &mut o.act_dx,
             &mut o.act_dbias,
+            &mut o.gated_h,
+            &mut o.gated_da,
+            &mut o.gated_db,
         ] {
             let n = buf.len();
             stream.memcpy_htod(&vec![bf16::poison(); n], buf).unwrap();
@@ -193,6 +206,35 @@ impl Block {
             o.workspace.as_view_mut(),
         );
         rms_norm::backward(gpu, backward.eps(EPS).rstd(o.rms_rstd.as_view()))?;
+        let y = Rows::new(o.act_y.as_view_mut(), rows, d)?;
+        activation::forward(
+            gpu,
+            activation::Forward::new(Activation::Silu, rows_of(&i.x, shape)?, y),
+        )?;
+        // SwiGLU with a = x, b = dy and the gradient dh = dy.
+        let gate = || -> normkern::Result<GatedInput<'_, Gpu<'_>, bf16>> {
+            Ok(GatedInput::Separate {
+                a: rows_of(&i.x, shape)?,
+                b: rows_of(&i.dy, shape)?,
+            })
+        };
+        let h = Rows::new(o.gated_h.as_view_mut(), rows, d)?;
+        let forward = GatedForward {
+            activation: Activation::Silu,
+            input: gate()?,
+            h,
+        };
+        activation::gated_forward(gpu, forward)?;
+        let backward = GatedBackward {
+            activation: Activation::Silu,
+            dh: rows_of(&i.dy, shape)?,
+            input: gate()?,
+            grad: GatedGrad::Separate {
+                da: Rows::new(o.gated_da.as_view_mut(), rows, d)?,
+                db: Rows::new(o.gated_db.as_view_mut(), rows, d)?,
+            },
+        };
+        activation::gated_backward(gpu, backward)?;
         let dx = Rows::new(o.act_dx.as_view_mut(), rows, d)?;
         let act = activation::Backward::new(
             Activation::Silu,
@@ -217,8 +259,12 @@ impl Block {
             &o.rms_y,
             &o.rms_dx,
             &o.rms_dweight,
+            &o.act_y,
             &o.act_dx,
             &o.act_dbias,
+            &o.gated_h,
+            &o.gated_da,
+            &o.gated_db,
         ] {
             bits.extend(stream.clone_dtoh(buf).unwrap().iter().map(|v| v.bits()));
         }
@@ -230,9 +276,12 @@ impl Block {
 }
 
 /// The README's setup for graph capture: event tracking off before any buffer exists, a stream of
-/// the context's own. A forward + backward step (norms with the residual forms, an activation
-/// backward with dbias) is captured once and replayed with new inputs each time; every replay
-/// writes every output and gives the bits of an eager run on the same inputs.
+/// the context's own. A forward + backward step (norms with the residual forms, activations with
+/// dbias, gated activations) is captured once and replayed with new inputs each time; every
+/// replay writes every output and gives the bits of an eager run on the same inputs. The shapes
+/// take each way of summing dγ/dβ/dbias that `Auto` picks: the single launch (1000×4096), the
+/// two-pass row kernel and column sum (16384×512: more than 2²² elements over rows of 257–512),
+/// and rows split over clusters (64×65536, sm_90).
 #[test]
 fn gpu_graph_replays_match_eager_runs() {
     let Some(ctx) = context() else { return };
@@ -241,8 +290,7 @@ fn gpu_graph_replays_match_eager_runs() {
     let stream = ctx.cuda().new_stream().unwrap();
     let gpu = ctx.on(&stream).unwrap();
     let mut rng = Rng::fresh("graph replays");
-    // One register-tile shape and one that splits rows over clusters (sm_90).
-    for (rows, d) in [(1000, 4096), (64, 65536)] {
+    for (rows, d) in [(1000, 4096), (16384, 512), (64, 65536)] {
         let mut block = Block::new(&stream, &mut rng, rows, d);
         // The first eager run answers the plan's occupancy questions outside the capture.
         block.run(&gpu).unwrap();
