@@ -241,3 +241,97 @@ fn workspace_and_groups_depend_on_the_shape_only() {
     assert_eq!(normkern::group_layout(0, 65536).1, 0);
     assert_eq!(normkern::group_layout(0, 3).1, 0);
 }
+
+/// The README's promise across GPUs: dγ and dβ from saved statistics are the same bits whichever
+/// tile a device runs a row on. The emulator stands in for devices of different sizes: without
+/// clusters (a GPU before sm_90: wide rows stream), with clusters of up to 2 or 8 blocks, and with
+/// blocks capped at 256 threads (narrower register tiles). The statistics come from one forward
+/// and are fed to every backward, whose f32 dγ and dβ must then match bit for bit (dx may differ
+/// in the last bit: its row sums are split differently).
+#[test]
+fn emulator_parameter_gradients_from_saved_statistics_are_the_same_on_every_device() {
+    use normkern::{Emulator, NormBackward, NormForward, Rows};
+    let devices = [
+        ("clusters of 2", Emulator::new()),
+        ("no clusters", Emulator::new().with_clusters(1).unwrap()),
+        ("clusters of 8", Emulator::new().with_clusters(8).unwrap()),
+        (
+            "256-thread blocks",
+            Emulator::new().with_block_limit(256).unwrap(),
+        ),
+    ];
+    let mut rng = Rng::fresh("emulator_gradients_every_device");
+    for (rows, d) in [(5, 65536), (7, 16384), (40, 4096)] {
+        let x: Vec<bf16> = rng.vec(rows * d, -1.0, 3.0);
+        let dy: Vec<bf16> = rng.vec(rows * d, -1.0, 1.0);
+        let weight: Vec<f32> = rng.vec(d, 0.5, 1.5);
+        let bias: Vec<f32> = rng.vec(d, -0.5, 0.5);
+        let (mut y, mut mean, mut rstd) = (
+            vec![bf16::ZERO; rows * d],
+            vec![0f32; rows],
+            vec![0f32; rows],
+        );
+        let emu = &devices[0].1;
+        let forward = NormForward::new(
+            Rows::new(&x[..], rows, d).unwrap(),
+            &weight[..],
+            Rows::new(&mut y[..], rows, d).unwrap(),
+        );
+        layer_norm::forward(
+            emu,
+            forward
+                .bias(&bias[..])
+                .mean(&mut mean[..])
+                .rstd(&mut rstd[..]),
+        )
+        .unwrap();
+        for layer in [false, true] {
+            let mut first: Option<(Vec<f32>, Vec<f32>)> = None;
+            for (device, emu) in &devices {
+                let mut dx = vec![bf16::ZERO; rows * d];
+                let (mut dweight, mut dbias) = (vec![f32::NAN; d], vec![f32::NAN; d]);
+                let workspace_len = if layer {
+                    layer_norm::workspace_len(rows, d)
+                } else {
+                    rms_norm::workspace_len(rows, d)
+                };
+                let mut workspace = vec![0f32; workspace_len.unwrap()];
+                let backward = NormBackward::new(
+                    Rows::new(&dy[..], rows, d).unwrap(),
+                    Rows::new(&x[..], rows, d).unwrap(),
+                    &weight[..],
+                    Rows::new(&mut dx[..], rows, d).unwrap(),
+                    &mut dweight[..],
+                    &mut workspace[..],
+                );
+                if layer {
+                    let backward = backward
+                        .mean_rstd(&mean[..], &rstd[..])
+                        .dbias(&mut dbias[..]);
+                    layer_norm::backward(emu, backward).unwrap();
+                } else {
+                    rms_norm::backward(emu, backward.rstd(&rstd[..])).unwrap();
+                    dbias.fill(0.0);
+                }
+                assert!(
+                    dweight.iter().all(|v| v.is_finite() && *v != 0.0),
+                    "{device}: dweight"
+                );
+                match &first {
+                    None => first = Some((dweight, dbias)),
+                    Some((dw, db)) => {
+                        let norm = if layer { "LayerNorm" } else { "RMSNorm" };
+                        assert!(
+                            same_bits(dw, &dweight),
+                            "{norm} {rows}×{d}: dγ differs on {device}"
+                        );
+                        assert!(
+                            same_bits(db, &dbias),
+                            "{norm} {rows}×{d}: dβ differs on {device}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
