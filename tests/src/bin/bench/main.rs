@@ -140,10 +140,7 @@ fn main() {
     let copy = copy_bandwidth(ctx.cuda(), &stream, 50);
     let floor = launch_floor(ctx.cuda(), &stream, 1000);
     if param_grads {
-        println!(
-            "device: {name}; copy bandwidth {copy:.0} GB/s; launch floor {:.1} host µs",
-            floor.plain.back_to_back_us
-        );
+        println!("device: {name}; copy bandwidth {copy:.0} GB/s");
         print_floor(&floor);
         param_grads::run(&ctx, &stream, copy);
         return;
@@ -233,7 +230,7 @@ fn to_csv(results: &[Measurement], copy: f64) -> String {
     csv
 }
 
-/// The launch floors, one line each: what an empty kernel's launch costs the host.
+/// The launch floors, on one line: what an empty kernel's launch costs the host, by launch kind.
 fn print_floor(floor: &LaunchFloor) {
     let host = |t: Option<HostTime>| {
         t.map_or("refused".to_owned(), |t| {
