@@ -272,7 +272,12 @@ pub fn launch_floor(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, reps: usiz
     ctx.bind_to_thread().expect("context");
     // One launch of `function` on two blocks through `cuLaunchKernelEx`, with `attribute` if any.
     let launch_ex = |function: &CudaFunction, attribute: Option<sys::CUlaunchAttribute>| {
-        let mut attributes: Vec<sys::CUlaunchAttribute> = attribute.into_iter().collect();
+        // On the stack: an allocation here would be timed with the launch.
+        let mut attributes = [attribute.unwrap_or(
+            // SAFETY: an all-zero attribute is a valid one (and not passed: `numAttrs` is 0).
+            unsafe { std::mem::zeroed() },
+        )];
+        let used = usize::from(attribute.is_some());
         let launch = sys::CUlaunchConfig {
             gridDimX: 2,
             gridDimY: 1,
@@ -283,7 +288,7 @@ pub fn launch_floor(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, reps: usiz
             sharedMemBytes: 0,
             hStream: stream.cu_stream(),
             attrs: attributes.as_mut_ptr(),
-            numAttrs: attributes.len() as u32,
+            numAttrs: used as u32,
         };
         // SAFETY: the kernel takes no arguments and touches nothing; the configuration names a
         // live stream and the attributes, which outlive the call.

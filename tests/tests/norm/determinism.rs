@@ -290,12 +290,12 @@ fn emulator_parameter_gradients_from_saved_statistics_are_the_same_on_every_devi
             for (device, emu) in &devices {
                 let mut dx = vec![bf16::ZERO; rows * d];
                 let (mut dweight, mut dbias) = (vec![f32::NAN; d], vec![f32::NAN; d]);
-                let workspace_len = if layer {
-                    layer_norm::workspace_len(rows, d)
+                let kind = if layer {
+                    Kind::Layer { bias: true }
                 } else {
-                    rms_norm::workspace_len(rows, d)
+                    Kind::Rms
                 };
-                let mut workspace = vec![0f32; workspace_len.unwrap()];
+                let mut workspace = vec![0f32; kind.workspace_len(rows, d)];
                 let backward = NormBackward::new(
                     Rows::new(&dy[..], rows, d).unwrap(),
                     Rows::new(&x[..], rows, d).unwrap(),
