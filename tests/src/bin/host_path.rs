@@ -1,0 +1,587 @@
+//! What one normkern call asks of the host, without a GPU: the driver calls, heap allocations and
+//! CPU time of each op, measured against a fake CUDA driver that runs nothing and counts every
+//! call (`tests/fake-cuda/fake_cuda.rs`, built by `tests/build.rs`). The time is normkern's and
+//! cudarc's own work per call (validation, launch plan, parameter block, event bookkeeping); the
+//! real driver's launch comes on top (the bench's launch floor, on the GPU).
+//!
+//! ```sh
+//! cargo run --release -p normkern-tests --bin host_path            # the table
+//! cargo run --release -p normkern-tests --bin host_path -- --check # and exit 1 if a promise fails
+//! ```
+//!
+//! `--check` holds every op, once its shape has been seen, to the README's promises: no driver
+//! query (function attributes, occupancy, device attributes, modules), no device allocation or
+//! synchronization, no heap allocation, the same driver calls on every call, and with cudarc's
+//! event tracking off no event wait, record or capture query. `tests/tests/host_path.rs` runs it.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::ffi::{CStr, c_char};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Instant;
+
+use half::bf16;
+use normkern::activation::{self, Activation, GatedBackward, GatedForward, GatedGrad, GatedInput};
+use normkern::cudarc::driver::{CudaSlice, CudaStream};
+use normkern::{
+    Context, Dtype, Gpu, NormBackward, NormForward, Rows, RowsMut, RowsRef, layer_norm, rms_norm,
+};
+
+/// Counts the program's heap allocations (the fake driver has its own allocator).
+struct Counting;
+
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: every method forwards to `System` with the caller's arguments.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Relaxed);
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Relaxed);
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Relaxed);
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Set in the environment of the process that runs under the fake driver.
+const UNDER_FAKE: &str = "NORMKERN_UNDER_FAKE_CUDA";
+
+/// The driver calls a call may make every time: the launches and the workspace fills, cudarc's
+/// current-context check, and with event tracking on the capture query and the operands' event
+/// waits and records.
+const PER_CALL: [&str; 3] = ["cuLaunchKernelEx", "cuMemsetD32Async", "cuCtxGetCurrent"];
+const PER_CALL_TRACKED: [&str; 3] = ["cuStreamIsCapturing", "cuStreamWaitEvent", "cuEventRecord"];
+
+/// The fake driver's counters and last launch, through its `fake_cuda_*` exports.
+struct Fake {
+    _lib: libloading::Library,
+    names: Vec<&'static str>,
+    count: unsafe extern "C" fn(usize) -> u64,
+    last_launch: unsafe extern "C" fn(*mut FakeLaunch),
+}
+
+/// `FakeLaunch` of the fake driver.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct FakeLaunch {
+    grid: u32,
+    block: u32,
+    shared_bytes: u32,
+    cluster: u32,
+    cooperative: u32,
+    kernel: usize,
+}
+
+impl Fake {
+    /// The `libcuda.so` this process loads, if it is the fake one.
+    fn open() -> Result<Fake, String> {
+        // SAFETY: loading the library cudarc loads (its initializers are the fake's: none).
+        let lib = unsafe { libloading::Library::new("libcuda.so") }
+            .map_err(|e| format!("no libcuda.so: {e}"))?;
+        // SAFETY: the fake's exports, with these signatures (fake_cuda.rs).
+        unsafe {
+            let calls = *lib
+                .get::<unsafe extern "C" fn() -> usize>(b"fake_cuda_calls")
+                .map_err(|_| "the libcuda.so loaded is not the fake driver".to_string())?;
+            let name = *lib
+                .get::<unsafe extern "C" fn(usize) -> *const c_char>(b"fake_cuda_call_name")
+                .map_err(|e| e.to_string())?;
+            let count = *lib
+                .get::<unsafe extern "C" fn(usize) -> u64>(b"fake_cuda_call_count")
+                .map_err(|e| e.to_string())?;
+            let last_launch = *lib
+                .get::<unsafe extern "C" fn(*mut FakeLaunch)>(b"fake_cuda_last_launch")
+                .map_err(|e| e.to_string())?;
+            let names = (0..calls())
+                .map(|i| CStr::from_ptr(name(i)).to_str().unwrap_or("?"))
+                .collect();
+            Ok(Fake {
+                _lib: lib,
+                names,
+                count,
+                last_launch,
+            })
+        }
+    }
+
+    fn counts(&self) -> Vec<u64> {
+        // SAFETY: indices within the fake's table.
+        (0..self.names.len())
+            .map(|i| unsafe { (self.count)(i) })
+            .collect()
+    }
+
+    /// The last launch's shape and kernel name.
+    fn last_launch(&self) -> (FakeLaunch, &'static str) {
+        let mut launch = FakeLaunch::default();
+        // SAFETY: writes one FakeLaunch; its kernel is a string the fake keeps for the process.
+        unsafe { (self.last_launch)(&mut launch) };
+        let kernel = match launch.kernel {
+            0 => "none",
+            k => unsafe { CStr::from_ptr(k as *const c_char) }
+                .to_str()
+                .unwrap_or("?"),
+        };
+        (launch, kernel)
+    }
+}
+
+/// The operands of every op at one shape, all bf16 but the f32 residual stream and statistics.
+/// The fake driver backs no memory: only the addresses and lengths matter.
+struct Operands {
+    rows: usize,
+    d: usize,
+    x: CudaSlice<bf16>,
+    dy: CudaSlice<bf16>,
+    y: CudaSlice<bf16>,
+    dx: CudaSlice<bf16>,
+    da: CudaSlice<bf16>,
+    residual: CudaSlice<f32>,
+    h: CudaSlice<f32>,
+    weight: CudaSlice<bf16>,
+    bias: CudaSlice<bf16>,
+    dweight: CudaSlice<bf16>,
+    dbias: CudaSlice<bf16>,
+    mean: CudaSlice<f32>,
+    rstd: CudaSlice<f32>,
+    workspace: CudaSlice<f32>,
+}
+
+impl Operands {
+    fn new(stream: &Arc<CudaStream>, (rows, d): (usize, usize)) -> normkern::Result<Operands> {
+        let bf = |n| stream.alloc_zeros::<bf16>(n).map_err(driver);
+        let f = |n| stream.alloc_zeros::<f32>(n).map_err(driver);
+        let n = rows * d;
+        let workspace =
+            layer_norm::workspace_len(rows, d)?.max(activation::workspace_len(rows, d)?);
+        Ok(Operands {
+            rows,
+            d,
+            x: bf(n)?,
+            dy: bf(n)?,
+            y: bf(n)?,
+            dx: bf(n)?,
+            da: bf(n)?,
+            residual: f(n)?,
+            h: f(n)?,
+            weight: bf(d)?,
+            bias: bf(d)?,
+            dweight: bf(d)?,
+            dbias: bf(d)?,
+            mean: f(rows)?,
+            rstd: f(rows)?,
+            workspace: f(workspace)?,
+        })
+    }
+}
+
+/// `rows × d` of a buffer, read or written.
+fn rows<T: Dtype>(b: &CudaSlice<T>, (rows, d): (usize, usize)) -> normkern::Result<RowsRef<'_, T>> {
+    Rows::new(b.as_view(), rows, d)
+}
+
+fn rows_mut<T: Dtype>(
+    b: &mut CudaSlice<T>,
+    (rows, d): (usize, usize),
+) -> normkern::Result<RowsMut<'_, T>> {
+    Rows::new(b.as_view_mut(), rows, d)
+}
+
+fn driver(e: normkern::cudarc::driver::DriverError) -> normkern::Error {
+    normkern::Error::Driver {
+        name: e.to_string(),
+        during: "allocating an operand",
+    }
+}
+
+type Op = fn(&Gpu<'_>, &mut Operands) -> normkern::Result<()>;
+
+/// Every op the check covers: the norms as the README calls them, the residual forms, the
+/// activations with dbias and the gated activation.
+const OPS: [(&str, Op); 10] = [
+    ("rms_norm fwd", |gpu, o| {
+        let s = (o.rows, o.d);
+        let y = rows_mut(&mut o.y, s)?;
+        let args = NormForward::new(rows(&o.x, s)?, o.weight.as_view(), y);
+        rms_norm::forward(gpu, args.rstd(o.rstd.as_view_mut()))
+    }),
+    ("rms_norm bwd", |gpu, o| {
+        let s = (o.rows, o.d);
+        let dx = rows_mut(&mut o.dx, s)?;
+        let (weight, rstd) = (o.weight.as_view(), o.rstd.as_view());
+        let (dy, x) = (rows(&o.dy, s)?, rows(&o.x, s)?);
+        let args = NormBackward::new(
+            dy,
+            x,
+            weight,
+            dx,
+            o.dweight.as_view_mut(),
+            o.workspace.as_view_mut(),
+        );
+        rms_norm::backward(gpu, args.rstd(rstd))
+    }),
+    ("layer_norm fwd", |gpu, o| {
+        let s = (o.rows, o.d);
+        let y = rows_mut(&mut o.y, s)?;
+        let args = NormForward::new(rows(&o.x, s)?, o.weight.as_view(), y)
+            .bias(o.bias.as_view())
+            .mean(o.mean.as_view_mut());
+        layer_norm::forward(gpu, args.rstd(o.rstd.as_view_mut()))
+    }),
+    ("layer_norm bwd", |gpu, o| {
+        let s = (o.rows, o.d);
+        let dx = rows_mut(&mut o.dx, s)?;
+        let (dy, x) = (rows(&o.dy, s)?, rows(&o.x, s)?);
+        let args = NormBackward::new(
+            dy,
+            x,
+            o.weight.as_view(),
+            dx,
+            o.dweight.as_view_mut(),
+            o.workspace.as_view_mut(),
+        );
+        let args = args.mean_rstd(o.mean.as_view(), o.rstd.as_view());
+        layer_norm::backward(gpu, args.dbias(o.dbias.as_view_mut()))
+    }),
+    ("rms_norm fwd + residual (f32)", |gpu, o| {
+        let s = (o.rows, o.d);
+        let y = rows_mut(&mut o.y, s)?;
+        let residual = rows(&o.residual, s)?;
+        let h = rows_mut(&mut o.h, s)?;
+        let args = NormForward::new(rows(&o.x, s)?, o.weight.as_view(), y);
+        rms_norm::forward(gpu, args.residual(residual, h))
+    }),
+    ("rms_norm bwd + dresidual (f32)", |gpu, o| {
+        let s = (o.rows, o.d);
+        let dx = rows_mut(&mut o.dx, s)?;
+        let h = rows(&o.h, s)?;
+        let dresidual = rows(&o.residual, s)?;
+        let args = NormBackward::new(
+            rows(&o.dy, s)?,
+            h,
+            o.weight.as_view(),
+            dx,
+            o.dweight.as_view_mut(),
+            o.workspace.as_view_mut(),
+        );
+        rms_norm::backward(gpu, args.dresidual(dresidual))
+    }),
+    ("silu fwd", |gpu, o| {
+        let s = (o.rows, o.d);
+        let y = rows_mut(&mut o.y, s)?;
+        let args = activation::Forward::new(Activation::Silu, rows(&o.x, s)?, y);
+        activation::forward(gpu, args)
+    }),
+    ("silu bwd + dbias", |gpu, o| {
+        let s = (o.rows, o.d);
+        let dx = rows_mut(&mut o.dx, s)?;
+        let args = activation::Backward::new(Activation::Silu, rows(&o.dy, s)?, rows(&o.x, s)?, dx);
+        activation::backward(
+            gpu,
+            args.dbias(o.dbias.as_view_mut(), o.workspace.as_view_mut()),
+        )
+    }),
+    ("swiglu fwd", |gpu, o| {
+        let s = (o.rows, o.d);
+        let h = rows_mut(&mut o.y, s)?;
+        let input = GatedInput::Separate {
+            a: rows(&o.x, s)?,
+            b: rows(&o.dy, s)?,
+        };
+        let args = GatedForward {
+            activation: Activation::Silu,
+            input,
+            h,
+        };
+        activation::gated_forward(gpu, args)
+    }),
+    ("swiglu bwd", |gpu, o| {
+        let s = (o.rows, o.d);
+        let grad = GatedGrad::Separate {
+            da: rows_mut(&mut o.da, s)?,
+            db: rows_mut(&mut o.dx, s)?,
+        };
+        let input = GatedInput::Separate {
+            a: rows(&o.x, s)?,
+            b: rows(&o.dy, s)?,
+        };
+        let args = GatedBackward {
+            activation: Activation::Silu,
+            dh: rows(&o.y, s)?,
+            input,
+            grad,
+        };
+        activation::gated_backward(gpu, args)
+    }),
+];
+
+/// Shapes that reach each launch plan: a small batch (the backward's single launch), a large one
+/// at d = 4096, QK-norm's segment teams, two-pass narrow rows, and very wide rows (clusters).
+const SHAPES: [(usize, usize); 5] = [
+    (64, 4096),
+    (16384, 4096),
+    (1 << 20, 128),
+    (16384, 512),
+    (64, 1 << 20),
+];
+
+/// One op at one shape, measured over `calls` calls after the first.
+struct Row {
+    op: &'static str,
+    shape: (usize, usize),
+    tracked: bool,
+    /// Driver calls beyond the per-call ones that the op's first call at the shape made: the
+    /// plan's questions (occupancy), asked once per context and kept.
+    first_call: u64,
+    /// Each driver function's calls over the measured calls.
+    driver: Vec<(&'static str, u64)>,
+    allocations: u64,
+    calls: u64,
+    median_ns: f64,
+    last: (FakeLaunch, &'static str),
+}
+
+fn measure(
+    fake: &Fake,
+    gpu: &Gpu<'_>,
+    operands: &mut Operands,
+    (op, run): (&'static str, Op),
+    tracked: bool,
+    calls: u64,
+) -> normkern::Result<Row> {
+    let before = fake.counts();
+    run(gpu, operands)?;
+    let first_call = fake
+        .names
+        .iter()
+        .zip(before.iter().zip(fake.counts()))
+        .filter(|(n, _)| !PER_CALL.contains(n) && !PER_CALL_TRACKED.contains(n))
+        .map(|(_, (b, a))| a - b)
+        .sum();
+    // Warm the caches and the branch predictors, then count over the measured calls only.
+    for _ in 0..16 {
+        run(gpu, operands)?;
+    }
+    let (counts, allocations) = (fake.counts(), ALLOCATIONS.load(Relaxed));
+    let mut times = Vec::with_capacity(calls as usize);
+    for _ in 0..calls {
+        let start = Instant::now();
+        run(gpu, operands)?;
+        times.push(start.elapsed().as_nanos() as f64);
+    }
+    let allocations = ALLOCATIONS.load(Relaxed) - allocations - 1; // `times` grew once
+    let after = fake.counts();
+    times.sort_by(f64::total_cmp);
+    let driver = fake
+        .names
+        .iter()
+        .zip(counts.iter().zip(&after))
+        .filter(|(_, (b, a))| a > b)
+        .map(|(n, (b, a))| (*n, a - b))
+        .collect();
+    Ok(Row {
+        op,
+        shape: (operands.rows, operands.d),
+        tracked,
+        first_call,
+        driver,
+        allocations,
+        calls,
+        median_ns: times[times.len() / 2],
+        last: fake.last_launch(),
+    })
+}
+
+/// The promises a row breaks, in words.
+fn broken(row: &Row) -> Vec<String> {
+    let mut out = Vec::new();
+    if row.allocations > 0 {
+        out.push(format!("{} heap allocations", row.allocations));
+    }
+    for &(name, n) in &row.driver {
+        let allowed = PER_CALL.contains(&name) || (row.tracked && PER_CALL_TRACKED.contains(&name));
+        if !allowed {
+            out.push(format!("{n} × {name}"));
+        } else if n % row.calls != 0 {
+            out.push(format!(
+                "{name} {n} times in {} calls (not the same each call)",
+                row.calls
+            ));
+        }
+    }
+    if !row.driver.iter().any(|&(n, _)| n == "cuLaunchKernelEx") {
+        out.push("no launch".into());
+    }
+    out
+}
+
+fn per_call(row: &Row, name: &str) -> f64 {
+    let n = row
+        .driver
+        .iter()
+        .find(|&&(n, _)| n == name)
+        .map_or(0, |&(_, n)| n);
+    n as f64 / row.calls as f64
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if std::env::var_os(UNDER_FAKE).is_none() {
+        return run_under_fake();
+    }
+    let check = args.iter().any(|a| a == "--check");
+    let calls = args
+        .iter()
+        .position(|a| a == "--calls")
+        .and_then(|i| args.get(i + 1)?.parse().ok())
+        .unwrap_or(2000u64);
+    match report(check, calls.max(1)) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("host_path: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs this program again with the fake driver first on the library path.
+#[cfg(target_os = "linux")]
+fn run_under_fake() -> ExitCode {
+    use std::os::unix::process::CommandExt;
+    let dir = env!("NORMKERN_FAKE_CUDA_DIR");
+    let path = match std::env::var("LD_LIBRARY_PATH") {
+        Ok(old) if !old.is_empty() => format!("{dir}:{old}"),
+        _ => dir.to_string(),
+    };
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(e) => {
+            eprintln!("host_path: where am I? {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let e = std::process::Command::new(exe)
+        .args(std::env::args_os().skip(1))
+        .env("LD_LIBRARY_PATH", path)
+        .env(UNDER_FAKE, "1")
+        .exec();
+    eprintln!("host_path: running under the fake driver: {e}");
+    ExitCode::FAILURE
+}
+
+#[cfg(not(target_os = "linux"))]
+fn run_under_fake() -> ExitCode {
+    eprintln!("host_path: the fake CUDA driver is a Linux libcuda.so");
+    ExitCode::FAILURE
+}
+
+fn report(check: bool, calls: u64) -> Result<bool, String> {
+    let ctx = Context::new(0).map_err(|e| e.to_string())?;
+    let fake = Fake::open()?;
+    println!(
+        "normkern host path against the fake CUDA driver (sm_{}, {} SMs; nothing runs): \
+         per call after the first of its shape, median of {calls} calls",
+        ctx.ptx_arch(),
+        ctx.sm_count()
+    );
+    println!(
+        "| op | rows×d | event tracking | host ns/call | launches | fills | event waits + records | \
+         heap allocs | driver queries, first call | last kernel (grid×block, cluster, coop.) |"
+    );
+    println!("|---|---|---|---:|---:|---:|---:|---:|---:|---|");
+    let mut ok = true;
+    // The range of the medians, by event tracking on / off.
+    let mut range = [(f64::INFINITY, 0.0f64); 2];
+    for tracked in [true, false] {
+        // A fresh stream per setting; with tracking off every buffer lives on it (the README's
+        // capture setup).
+        if !tracked {
+            // SAFETY: every operand below is made and used on the one stream.
+            unsafe { ctx.cuda().disable_event_tracking() };
+        }
+        let stream = ctx.cuda().new_stream().map_err(|e| e.to_string())?;
+        let gpu = ctx.on(&stream).map_err(|e| e.to_string())?;
+        for shape in SHAPES {
+            let mut operands = Operands::new(&stream, shape).map_err(|e| e.to_string())?;
+            for op in OPS {
+                let row = measure(&fake, &gpu, &mut operands, op, tracked, calls)
+                    .map_err(|e| format!("{} at {shape:?}: {e}", op.0))?;
+                print_row(&row);
+                let r = &mut range[usize::from(!tracked)];
+                *r = (r.0.min(row.median_ns), r.1.max(row.median_ns));
+                let broken = broken(&row);
+                if !broken.is_empty() {
+                    ok = false;
+                    eprintln!(
+                        "BROKEN {} at {:?}: {}",
+                        row.op,
+                        row.shape,
+                        broken.join(", ")
+                    );
+                }
+            }
+        }
+    }
+    let [on, off] = range;
+    println!(
+        "normkern's and cudarc's host work per call ({} build): {:.0}–{:.0} ns with event \
+         tracking on, {:.0}–{:.0} ns off; the driver's launch comes on top",
+        if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        },
+        on.0,
+        on.1,
+        off.0,
+        off.1
+    );
+    if check {
+        println!(
+            "check: {}",
+            if ok {
+                "every promise holds"
+            } else {
+                "BROKEN (above)"
+            }
+        );
+        Ok(ok)
+    } else {
+        Ok(true)
+    }
+}
+
+fn print_row(row: &Row) {
+    let (launch, kernel) = row.last;
+    let events = per_call(row, "cuStreamWaitEvent") + per_call(row, "cuEventRecord");
+    println!(
+        "| {} | {}×{} | {} | {:.0} | {} | {} | {} | {} | {} | {kernel} ({}×{}, {}, {}) |",
+        row.op,
+        row.shape.0,
+        row.shape.1,
+        if row.tracked { "on" } else { "off" },
+        row.median_ns,
+        per_call(row, "cuLaunchKernelEx"),
+        per_call(row, "cuMemsetD32Async"),
+        events,
+        row.allocations as f64 / row.calls as f64,
+        row.first_call,
+        launch.grid,
+        launch.block,
+        launch.cluster,
+        launch.cooperative,
+    );
+}
