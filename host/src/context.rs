@@ -133,7 +133,7 @@ impl Context {
     /// # Ok::<(), normkern::Error>(())
     /// ```
     pub fn from_cuda(cuda: Arc<CudaContext>) -> Result<Self> {
-        Self::load(cuda, None)
+        Self::load(cuda, None, None)
     }
 
     /// Like [`Context::from_cuda`], loading the kernels from the given image only: `Ptx` makes
@@ -148,10 +148,29 @@ impl Context {
     /// # Ok::<(), normkern::Error>(())
     /// ```
     pub fn from_cuda_with_image(cuda: Arc<CudaContext>, image: KernelImage) -> Result<Self> {
-        Self::load(cuda, Some(image))
+        Self::load(cuda, Some(image), None)
     }
 
-    fn load(cuda: Arc<CudaContext>, image: Option<KernelImage>) -> Result<Self> {
+    /// Like [`Context::from_cuda`], with the kernels built for an older architecture than the
+    /// device's: `80` runs the sm_80 build (A100, and the sm_86/sm_89 GPUs) on an H100 or H200,
+    /// compiled from its PTX by the driver, so that its code paths (no clusters, no bulk copies)
+    /// can be tested where there is no such GPU. An architecture without a build here, or newer
+    /// than the device, is [`Error::NoBuildForArch`].
+    ///
+    /// ```no_run
+    /// use normkern::{Context, KernelImage, cudarc::driver::CudaContext};
+    ///
+    /// let a100_build = Context::from_cuda_with_ptx_arch(CudaContext::new(0).unwrap(), 80)?;
+    /// assert_eq!((a100_build.ptx_arch(), a100_build.kernel_image()), (80, KernelImage::Ptx));
+    /// # Ok::<(), normkern::Error>(())
+    /// ```
+    pub fn from_cuda_with_ptx_arch(cuda: Arc<CudaContext>, arch: u32) -> Result<Self> {
+        Self::load(cuda, Some(KernelImage::Ptx), Some(arch))
+    }
+
+    /// Loads the build for `arch` (default: the newest the device runs) from `image` (default:
+    /// the cubin where it runs, else the PTX).
+    fn load(cuda: Arc<CudaContext>, image: Option<KernelImage>, arch: Option<u32>) -> Result<Self> {
         let (major, minor) = cuda
             .compute_capability()
             .map_err(Error::driver("cuDeviceGetAttribute"))?;
@@ -160,8 +179,11 @@ impl Context {
             .saturating_add(minor.max(0) as u32);
         let build = BUILDS
             .iter()
-            .find(|b| b.arch <= cc)
-            .ok_or(Error::UnsupportedDevice { major, minor })?;
+            .find(|b| b.arch <= cc && arch.is_none_or(|a| a == b.arch))
+            .ok_or(match arch {
+                Some(arch) => Error::NoBuildForArch { arch, major, minor },
+                None => Error::UnsupportedDevice { major, minor },
+            })?;
         let ptx_arch = build.arch;
         // A cubin runs on devices of its major architecture at or above its minor one.
         let cubin_runs = build.arch / 10 == cc / 10;

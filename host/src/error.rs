@@ -16,6 +16,12 @@ pub enum Error {
     /// The device's compute capability is older than the oldest embedded PTX (sm_80).
     #[error("compute capability {major}.{minor} is not supported (normkern needs sm_80 or newer)")]
     UnsupportedDevice { major: i32, minor: i32 },
+    /// [`crate::Context::from_cuda_with_ptx_arch`] asked for an architecture normkern has no
+    /// build of, or one newer than the device.
+    #[error(
+        "no kernels built for sm_{arch} that a device of compute capability {major}.{minor} runs (builds: sm_80, sm_90)"
+    )]
+    NoBuildForArch { arch: u32, major: i32, minor: i32 },
     /// A CUDA driver call failed; `name` is the driver's error name (e.g. `CUDA_ERROR_LAUNCH_FAILED`).
     #[error("CUDA driver error {name} during {during}")]
     Driver { name: String, during: &'static str },

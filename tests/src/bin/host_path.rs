@@ -25,7 +25,8 @@ use half::bf16;
 use normkern::activation::{self, Activation, GatedBackward, GatedForward, GatedGrad, GatedInput};
 use normkern::cudarc::driver::{CudaSlice, CudaStream};
 use normkern::{
-    Context, Dtype, Gpu, NormBackward, NormForward, Rows, RowsMut, RowsRef, layer_norm, rms_norm,
+    Context, Dtype, Gpu, KernelImage, NormBackward, NormForward, Rows, RowsMut, RowsRef,
+    layer_norm, rms_norm,
 };
 
 /// Counts the program's heap allocations (the fake driver has its own allocator).
@@ -339,6 +340,8 @@ const SHAPES: [(usize, usize); 5] = [
 
 /// One op at one shape, measured over `calls` calls after the first.
 struct Row {
+    /// The kernels' build (`Context::ptx_arch`).
+    build: u32,
     op: &'static str,
     shape: (usize, usize),
     tracked: bool,
@@ -392,6 +395,7 @@ fn measure(
         .map(|(n, (b, a))| (*n, a - b))
         .collect();
     Ok(Row {
+        build: gpu.context().ptx_arch(),
         op,
         shape: (operands.rows, operands.d),
         tracked,
@@ -423,6 +427,9 @@ fn broken(row: &Row) -> Vec<String> {
     }
     if !row.driver.iter().any(|&(n, _)| n == "cuLaunchKernelEx") {
         out.push("no launch".into());
+    }
+    if row.build < 90 && row.last.0.cluster > 1 {
+        out.push("a cluster launch in a build without clusters".into());
     }
     out
 }
@@ -489,26 +496,35 @@ fn run_under_fake() -> ExitCode {
 }
 
 fn report(check: bool, calls: u64) -> Result<bool, String> {
-    let ctx = Context::new(0).map_err(|e| e.to_string())?;
+    let sm90 = Context::new(0).map_err(|e| e.to_string())?;
+    // The A100 build's plans (no clusters, no sm_90 kernels) on the same device.
+    let sm80 =
+        Context::from_cuda_with_ptx_arch(sm90.cuda().clone(), 80).map_err(|e| e.to_string())?;
     let fake = Fake::open()?;
-    println!(
-        "normkern host path against the fake CUDA driver (sm_{}, {} SMs; nothing runs): \
-         per call after the first of its shape, median of {calls} calls",
-        ctx.ptx_arch(),
-        ctx.sm_count()
-    );
-    println!(
-        "| op | rows×d | event tracking | host ns/call | launches | fills | event waits + records | \
-         heap allocs | driver queries, first call | last kernel (grid×block, cluster, coop.) |"
-    );
-    println!("|---|---|---|---:|---:|---:|---:|---:|---:|---|");
     let mut ok = true;
+    for broken in loading_broken(&sm90, &sm80) {
+        ok = false;
+        eprintln!("BROKEN loading: {broken}");
+    }
+    println!(
+        "normkern host path against the fake CUDA driver (an sm_90 device of {} SMs; nothing \
+         runs): per call after the first of its shape, median of {calls} calls",
+        sm90.sm_count()
+    );
+    println!(
+        "| build | op | rows×d | event tracking | host ns/call | launches | fills | event waits + \
+         records | heap allocs | driver queries, first call | last kernel (grid×block, cluster, \
+         coop.) |"
+    );
+    println!("|---|---|---|---|---:|---:|---:|---:|---:|---:|---|");
     // The range of the medians, by event tracking on / off.
     let mut range = [(f64::INFINITY, 0.0f64); 2];
-    for tracked in [true, false] {
+    for (ctx, tracked) in [(&sm90, true), (&sm90, false), (&sm80, true), (&sm80, false)] {
         // A fresh stream per setting; with tracking off every buffer lives on it (the README's
-        // capture setup).
-        if !tracked {
+        // capture setup). Both contexts share the device's primary CUDA context.
+        if tracked {
+            unsafe { ctx.cuda().enable_event_tracking() };
+        } else {
             // SAFETY: every operand below is made and used on the one stream.
             unsafe { ctx.cuda().disable_event_tracking() };
         }
@@ -518,7 +534,7 @@ fn report(check: bool, calls: u64) -> Result<bool, String> {
             let mut operands = Operands::new(&stream, shape).map_err(|e| e.to_string())?;
             for op in OPS {
                 let row = measure(&fake, &gpu, &mut operands, op, tracked, calls)
-                    .map_err(|e| format!("{} at {shape:?}: {e}", op.0))?;
+                    .map_err(|e| format!("sm_{} {} at {shape:?}: {e}", ctx.ptx_arch(), op.0))?;
                 print_row(&row);
                 let r = &mut range[usize::from(!tracked)];
                 *r = (r.0.min(row.median_ns), r.1.max(row.median_ns));
@@ -526,7 +542,8 @@ fn report(check: bool, calls: u64) -> Result<bool, String> {
                 if !broken.is_empty() {
                     ok = false;
                     eprintln!(
-                        "BROKEN {} at {:?}: {}",
+                        "BROKEN sm_{} {} at {:?}: {}",
+                        row.build,
                         row.op,
                         row.shape,
                         broken.join(", ")
@@ -564,11 +581,37 @@ fn report(check: bool, calls: u64) -> Result<bool, String> {
     }
 }
 
+/// What loading promises (`Context`'s docs), on the fake sm_90 device: the sm_90 cubin by
+/// default, the sm_80 build from its PTX when asked, typed errors for a build that does not exist
+/// or a device that does not.
+fn loading_broken(sm90: &Context, sm80: &Context) -> Vec<String> {
+    let mut out = Vec::new();
+    let loaded = |c: &Context| (c.ptx_arch(), c.kernel_image());
+    if loaded(sm90) != (90, KernelImage::Cubin) {
+        out.push(format!("Context::new loaded {:?}", loaded(sm90)));
+    }
+    if loaded(sm80) != (80, KernelImage::Ptx) {
+        out.push(format!("the sm_80 build loaded {:?}", loaded(sm80)));
+    }
+    for arch in [75, 89, 100] {
+        match Context::from_cuda_with_ptx_arch(sm90.cuda().clone(), arch) {
+            Err(normkern::Error::NoBuildForArch { .. }) => {}
+            other => out.push(format!("sm_{arch} build: {:?}", other.map(|c| loaded(&c)))),
+        }
+    }
+    match Context::new(1) {
+        Err(normkern::Error::NoDevice { ordinal: 1, .. }) => {}
+        other => out.push(format!("device 1: {:?}", other.map(|c| loaded(&c)))),
+    }
+    out
+}
+
 fn print_row(row: &Row) {
     let (launch, kernel) = row.last;
     let events = per_call(row, "cuStreamWaitEvent") + per_call(row, "cuEventRecord");
     println!(
-        "| {} | {}×{} | {} | {:.0} | {} | {} | {} | {} | {} | {kernel} ({}×{}, {}, {}) |",
+        "| sm_{} | {} | {}×{} | {} | {:.0} | {} | {} | {} | {} | {} | {kernel} ({}×{}, {}, {}) |",
+        row.build,
         row.op,
         row.shape.0,
         row.shape.1,
