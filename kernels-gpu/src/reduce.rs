@@ -160,7 +160,7 @@ impl RowReducer {
         let shared = arch::shared_f32();
         let base = BLOCK_SLOTS + self.block_slot * MAX_BLOCK_SUMS * WARP;
         self.block_slot ^= 1;
-        let tid = arch::thread_idx();
+        let tid = arch::recomputed_on_sm80(arch::thread_idx());
         let (lane, warp, warps) = (tid % WARP, tid / WARP, arch::block_dim() / WARP);
         let v = warp_sums(v);
         if lane == 0 {

@@ -514,6 +514,11 @@ impl SharedF32 {
     }
 }
 
+/// `v` (the GPU's keeps the compiler from carrying what is computed from it across a loop).
+pub fn opaque(v: usize) -> usize {
+    core::hint::black_box(v)
+}
+
 /// Lands every copy this thread started (`cp.async.wait_all`).
 pub fn wait_async_copies() {
     with_ctx(|c| {

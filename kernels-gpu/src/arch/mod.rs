@@ -17,8 +17,8 @@ pub use emu::{
     SharedF32, atomic_add_f32, bf16_to_f32, block_dim, block_idx, block_lock, block_unlock,
     cluster_count, cluster_idx, cluster_rank, cluster_size, dynamic_shared_words, exp2, exp2_ftz,
     f16_to_f32, f32_to_bf16, f32_to_f16, f32x2_to_bf16x2, f32x2_to_f16x2, fence_mbarrier_init, fma,
-    grid_barrier, grid_dim, load16, load16_kept, rcp_approx, rsqrt, shared_f32, shfl_idx, shfl_xor,
-    shfl_xor_within, store16, store16_streaming, sync_cluster, sync_threads, thread_idx,
+    grid_barrier, grid_dim, load16, load16_kept, opaque, rcp_approx, rsqrt, shared_f32, shfl_idx,
+    shfl_xor, shfl_xor_within, store16, store16_streaming, sync_cluster, sync_threads, thread_idx,
     wait_async_copies,
 };
 
@@ -29,6 +29,17 @@ pub const WARP: usize = 32;
 /// sm_80 too ask it where the two differ. [`SharedF32::bulk_copy_from`] is the copy engine's
 /// only on sm_90; on sm_80 it is a plain copy by one thread.
 pub const SM_90: bool = cfg!(any(target_feature = "sm_90", not(target_arch = "nvptx64")));
+
+/// `v` (a row index, a thread's index), which sm_80 builds recompute where it is used in a loop
+/// rather than carry across it: sm_80's ptxas spills what LLVM derives from such a value and
+/// holds across a loop (a group's per-operand row steps, a lane's "reads a warp's partial"
+/// flag), where sm_90's keeps it in registers. Through [`opaque`] each use computes it afresh (a
+/// multiply-add per operand, a compare); sm_90 builds and the emulator compile exactly what they
+/// did without it.
+#[inline(always)]
+pub fn recomputed_on_sm80(v: usize) -> usize {
+    if SM_90 { v } else { opaque(v) }
+}
 
 /// Most blocks in a cluster: the portable limit of sm_90.
 pub const MAX_CLUSTER: usize = 8;

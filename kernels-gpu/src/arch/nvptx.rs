@@ -426,6 +426,19 @@ impl SharedF32 {
     }
 }
 
+/// `v`, through an instruction the compiler cannot see through: what is computed from it is
+/// computed where it is used, not carried from one loop iteration to the next as a stepped
+/// pointer (which holds registers across the loop).
+#[inline(always)]
+pub fn opaque(v: usize) -> usize {
+    let out: u64;
+    unsafe {
+        asm!("mov.b64 {o}, {i};", o = out(reg64) out, i = in(reg64) v as u64,
+            options(pure, nomem, nostack, preserves_flags));
+    }
+    out as usize
+}
+
 /// Waits for this thread's [`SharedF32::copy16_async_from`] copies (`cp.async.wait_all`).
 #[inline(always)]
 pub fn wait_async_copies() {

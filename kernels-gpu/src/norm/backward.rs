@@ -208,12 +208,13 @@ pub(super) unsafe fn backward_regs<
             let this = if prefetch {
                 next
             } else {
-                unsafe { tile.load(row) }
+                unsafe { tile.load(arch::recomputed_on_sm80(row)) }
             };
             if prefetch && row + 1 < end {
-                next = unsafe { tile.load(row + 1) };
+                next = unsafe { tile.load(arch::recomputed_on_sm80(row + 1)) };
             }
             unsafe {
+                let row = arch::recomputed_on_sm80(row);
                 let pass1 = tile.pass1(&mut reducer, row, &this);
                 tile.pass2(&mut reducer, row, &this, pass1, &mut dgamma, &mut dbeta);
             }
