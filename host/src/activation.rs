@@ -401,12 +401,19 @@ pub fn gated_backward<E: Executor, T: Dtype>(
     mut args: GatedBackward<'_, E, T>,
 ) -> Result<()> {
     let shape = (args.dh.rows, args.dh.d);
+    // Every shape before the first operand is taken: with cudarc's event tracking, taking one
+    // enqueues its event wait and record.
+    match &args.grad {
+        GatedGrad::Separate { da, db } => {
+            da.expect_shape("da", shape.0, shape.1)?;
+            db.expect_shape("db", shape.0, shape.1)?;
+        }
+        GatedGrad::Packed(dab) => dab.expect_shape("dab", shape.0, packed_width(shape.1)?)?,
+    }
     let ([a, b], _inputs) = gated_input(exec, &args.input, shape)?;
     let (dh, _dh) = exec.input("dh", &args.dh.data)?;
     let (outputs, _outputs) = match &mut args.grad {
         GatedGrad::Separate { da, db } => {
-            da.expect_shape("da", shape.0, shape.1)?;
-            db.expect_shape("db", shape.0, shape.1)?;
             let (da_stride, db_stride) = (da.stride, db.stride);
             let (da_address, da_guard) = exec.output("da", &mut da.data)?;
             let (db_address, db_guard) = exec.output("db", &mut db.data)?;
@@ -414,7 +421,6 @@ pub fn gated_backward<E: Executor, T: Dtype>(
             (outputs, (da_guard, Some(db_guard)))
         }
         GatedGrad::Packed(dab) => {
-            dab.expect_shape("dab", shape.0, packed_width(shape.1)?)?;
             let stride = dab.stride;
             let (address, guard) = exec.output("dab", &mut dab.data)?;
             (halves((address, stride), shape.1, T::KERNEL), (guard, None))

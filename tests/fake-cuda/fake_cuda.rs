@@ -10,13 +10,14 @@
 //! `libcuda.so` lands where a program could load it by mistake.
 //!
 //! Besides the driver's functions it exports `fake_cuda_*` functions for the check: the call
-//! names and counts, and the last launch.
+//! names and counts, the last launch, and a failure of the next call of a function (the launch,
+//! an event wait or record, a fill).
 
 #![allow(non_snake_case)] // the driver's names
 #![allow(clippy::missing_safety_doc)] // each function is the driver's, with its documented contract
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
 
 type CUresult = c_uint;
 const SUCCESS: CUresult = 0;
@@ -85,8 +86,14 @@ calls!(
 
 static COUNTS: [AtomicU64; NAMES.len()] = [const { AtomicU64::new(0) }; NAMES.len()];
 
-fn count(call: Call) {
+/// A failure the check asked for: the code the function's next call returns (0: none).
+static FAILURES: [AtomicU32; NAMES.len()] = [const { AtomicU32::new(0) }; NAMES.len()];
+
+/// Counts a call; what it returns, unless the check asked for this call to fail. Functions the
+/// check does not fail ignore it.
+fn count(call: Call) -> CUresult {
     COUNTS[call as usize].fetch_add(1, Relaxed);
+    FAILURES[call as usize].swap(0, Relaxed)
 }
 
 /// Writes `value` through a driver out-parameter; a null one is the driver's invalid value.
@@ -122,6 +129,15 @@ pub extern "C" fn fake_cuda_call_name(i: usize) -> *const c_char {
 #[unsafe(no_mangle)]
 pub extern "C" fn fake_cuda_call_count(i: usize) -> u64 {
     COUNTS.get(i).map_or(0, |c| c.load(Relaxed))
+}
+
+/// Makes the next call of function `i` return `code` (a `CUresult` the driver defines: cudarc
+/// keeps it as its enum).
+#[unsafe(no_mangle)]
+pub extern "C" fn fake_cuda_fail_next(i: usize, code: CUresult) {
+    if let Some(f) = FAILURES.get(i) {
+        f.store(code, Relaxed);
+    }
 }
 
 /// The last launch: grid, block, dynamic shared bytes, cluster size (1 without the attribute),
@@ -277,9 +293,16 @@ pub extern "C" fn cuCtxSynchronize() -> CUresult {
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGetErrorName(_error: CUresult, name: *mut *const c_char) -> CUresult {
+pub unsafe extern "C" fn cuGetErrorName(error: CUresult, name: *mut *const c_char) -> CUresult {
     count(Call::cuGetErrorName);
-    unsafe { put(name, c"CUDA_ERROR_FAKE".as_ptr()) }
+    let text = match error {
+        0 => c"CUDA_SUCCESS",
+        1 => c"CUDA_ERROR_INVALID_VALUE",
+        400 => c"CUDA_ERROR_INVALID_HANDLE",
+        701 => c"CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
+        _ => c"CUDA_ERROR_UNKNOWN",
+    };
+    unsafe { put(name, text.as_ptr()) }
 }
 
 #[unsafe(no_mangle)]
@@ -464,8 +487,7 @@ pub extern "C" fn cuStreamWaitEvent(
     _event: *mut c_void,
     _flags: c_uint,
 ) -> CUresult {
-    count(Call::cuStreamWaitEvent);
-    SUCCESS
+    count(Call::cuStreamWaitEvent)
 }
 
 /// Never capturing.
@@ -486,8 +508,7 @@ pub unsafe extern "C" fn cuEventCreate(event: *mut *mut c_void, _flags: c_uint) 
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuEventRecord(_event: *mut c_void, _stream: *mut c_void) -> CUresult {
-    count(Call::cuEventRecord);
-    SUCCESS
+    count(Call::cuEventRecord)
 }
 
 #[unsafe(no_mangle)]
@@ -611,8 +632,7 @@ pub extern "C" fn cuMemsetD32Async(
     _n: usize,
     _stream: *mut c_void,
 ) -> CUresult {
-    count(Call::cuMemsetD32Async);
-    SUCCESS
+    count(Call::cuMemsetD32Async)
 }
 
 // --- launches -----------------------------------------------------------------------------------
@@ -643,7 +663,10 @@ pub unsafe extern "C" fn cuLaunchKernelEx(
     _params: *mut *mut c_void,
     _extra: *mut *mut c_void,
 ) -> CUresult {
-    count(Call::cuLaunchKernelEx);
+    let failed = count(Call::cuLaunchKernelEx);
+    if failed != SUCCESS {
+        return failed;
+    }
     let Some(config) = (unsafe { config.as_ref() }) else {
         return INVALID_VALUE;
     };

@@ -71,6 +71,7 @@ struct Fake {
     names: Vec<&'static str>,
     count: unsafe extern "C" fn(usize) -> u64,
     last_launch: unsafe extern "C" fn(*mut FakeLaunch),
+    fail_next: unsafe extern "C" fn(usize, u32),
 }
 
 /// `FakeLaunch` of the fake driver.
@@ -105,6 +106,9 @@ impl Fake {
             let last_launch = *lib
                 .get::<unsafe extern "C" fn(*mut FakeLaunch)>(b"fake_cuda_last_launch")
                 .map_err(|e| e.to_string())?;
+            let fail_next = *lib
+                .get::<unsafe extern "C" fn(usize, u32)>(b"fake_cuda_fail_next")
+                .map_err(|e| e.to_string())?;
             let names = (0..calls())
                 .map(|i| CStr::from_ptr(name(i)).to_str().unwrap_or("?"))
                 .collect();
@@ -113,6 +117,7 @@ impl Fake {
                 names,
                 count,
                 last_launch,
+                fail_next,
             })
         }
     }
@@ -122,6 +127,21 @@ impl Fake {
         (0..self.names.len())
             .map(|i| unsafe { (self.count)(i) })
             .collect()
+    }
+
+    /// Makes the next call of driver function `name` return `code`.
+    fn fail_next(&self, name: &str, code: u32) {
+        if let Some(i) = self.names.iter().position(|n| *n == name) {
+            // SAFETY: an index within the fake's table.
+            unsafe { (self.fail_next)(i, code) };
+        }
+    }
+
+    /// Calls of driver function `name` so far.
+    fn calls_of(&self, name: &str) -> u64 {
+        let i = self.names.iter().position(|n| *n == name);
+        // SAFETY: an index within the fake's table.
+        i.map_or(0, |i| unsafe { (self.count)(i) })
     }
 
     /// The last launch's shape and kernel name.
@@ -328,6 +348,156 @@ const OPS: [(&str, Op); 10] = [
     }),
 ];
 
+/// Calls the ops must reject before any driver call: a bad eps, a workspace too small, outputs
+/// of the wrong shape.
+const REJECTED: [(&str, Op); 8] = [
+    ("rms_norm fwd, eps -1", |gpu, o| {
+        let s = (o.rows, o.d);
+        let args = NormForward::new(rows(&o.x, s)?, o.weight.as_view(), rows_mut(&mut o.y, s)?);
+        rms_norm::forward(gpu, args.eps(-1.0))
+    }),
+    ("rms_norm bwd, a workspace of 1 f32", |gpu, o| {
+        let s = (o.rows, o.d);
+        let args = NormBackward::new(
+            rows(&o.dy, s)?,
+            rows(&o.x, s)?,
+            o.weight.as_view(),
+            rows_mut(&mut o.dx, s)?,
+            o.dweight.as_view_mut(),
+            o.workspace.slice_mut(0..1),
+        );
+        rms_norm::backward(gpu, args)
+    }),
+    ("layer_norm fwd, y a row short", |gpu, o| {
+        let s = (o.rows, o.d);
+        let y = rows_mut(&mut o.y, (o.rows - 1, o.d))?;
+        let args = NormForward::new(rows(&o.x, s)?, o.weight.as_view(), y);
+        layer_norm::forward(gpu, args.bias(o.bias.as_view()))
+    }),
+    ("silu fwd, y an element narrower", |gpu, o| {
+        let s = (o.rows, o.d);
+        let y = rows_mut(&mut o.y, (o.rows, o.d - 1))?;
+        activation::forward(
+            gpu,
+            activation::Forward::new(Activation::Silu, rows(&o.x, s)?, y),
+        )
+    }),
+    ("layer_norm bwd, dbias an element short", |gpu, o| {
+        let s = (o.rows, o.d);
+        let args = NormBackward::new(
+            rows(&o.dy, s)?,
+            rows(&o.x, s)?,
+            o.weight.as_view(),
+            rows_mut(&mut o.dx, s)?,
+            o.dweight.as_view_mut(),
+            o.workspace.as_view_mut(),
+        );
+        let dbias = o.dbias.slice_mut(1..);
+        layer_norm::backward(
+            gpu,
+            args.mean_rstd(o.mean.as_view(), o.rstd.as_view())
+                .dbias(dbias),
+        )
+    }),
+    ("silu bwd + dbias, a workspace of 1 f32", |gpu, o| {
+        let s = (o.rows, o.d);
+        let dx = rows_mut(&mut o.dx, s)?;
+        let args = activation::Backward::new(Activation::Silu, rows(&o.dy, s)?, rows(&o.x, s)?, dx);
+        let args = args.dbias(o.dbias.as_view_mut(), o.workspace.slice_mut(0..1));
+        activation::backward(gpu, args)
+    }),
+    ("swiglu fwd, packed ab of d columns", |gpu, o| {
+        let s = (o.rows, o.d);
+        let args = GatedForward {
+            activation: Activation::Silu,
+            input: GatedInput::Packed(rows(&o.x, s)?),
+            h: rows_mut(&mut o.y, s)?,
+        };
+        activation::gated_forward(gpu, args)
+    }),
+    ("swiglu bwd, da a row short", |gpu, o| {
+        let s = (o.rows, o.d);
+        let grad = GatedGrad::Separate {
+            da: rows_mut(&mut o.da, (o.rows - 1, o.d))?,
+            db: rows_mut(&mut o.dx, s)?,
+        };
+        let input = GatedInput::Separate {
+            a: rows(&o.x, s)?,
+            b: rows(&o.dy, s)?,
+        };
+        let args = GatedBackward {
+            activation: Activation::Silu,
+            dh: rows(&o.y, s)?,
+            input,
+            grad,
+        };
+        activation::gated_backward(gpu, args)
+    }),
+];
+
+/// What a call does when it is rejected or when the driver fails under it (event tracking on, so
+/// every operand's event traffic shows): a rejected call makes no driver call at all; a failed
+/// launch or event wait is an `Error::Driver` naming it, with no launch after it (a two-launch
+/// backward stops at its first); the next call succeeds.
+fn failures_broken(fake: &Fake, ctx: &Context) -> Result<Vec<String>, String> {
+    const OUT_OF_RESOURCES: u32 = 701;
+    const INVALID_HANDLE: u32 = 400;
+    let mut out = Vec::new();
+    unsafe { ctx.cuda().enable_event_tracking() };
+    let stream = ctx.cuda().new_stream().map_err(|e| e.to_string())?;
+    let gpu = ctx.on(&stream).map_err(|e| e.to_string())?;
+    let mut small = Operands::new(&stream, (64, 4096)).map_err(|e| e.to_string())?;
+    for (what, op) in REJECTED {
+        let before = fake.counts();
+        let result = op(&gpu, &mut small);
+        let calls: u64 = before.iter().zip(fake.counts()).map(|(b, a)| a - b).sum();
+        match result {
+            Err(normkern::Error::Driver { .. }) | Ok(()) => {
+                out.push(format!("{what}: not rejected ({result:?})"))
+            }
+            Err(_) if calls > 0 => out.push(format!("{what}: rejected after {calls} driver calls")),
+            Err(_) => {}
+        }
+    }
+    // A failed launch: the single-launch backward at 64×4096, the two-launch one at 16384×512.
+    let mut two_pass = Operands::new(&stream, (16384, 512)).map_err(|e| e.to_string())?;
+    let rms_bwd = OPS[1].1;
+    for (shape, operands) in [("64×4096", &mut small), ("16384×512", &mut two_pass)] {
+        let launches = fake.calls_of("cuLaunchKernelEx");
+        fake.fail_next("cuLaunchKernelEx", OUT_OF_RESOURCES);
+        let result = rms_bwd(&gpu, operands);
+        let tried = fake.calls_of("cuLaunchKernelEx") - launches;
+        let expected = Err(normkern::Error::Driver {
+            name: "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES".into(),
+            during: "cuLaunchKernelEx",
+        });
+        if result != expected || tried != 1 {
+            out.push(format!(
+                "rms_norm bwd {shape}, its launch failing: {result:?} after {tried} launches"
+            ));
+        }
+        if let Err(e) = rms_bwd(&gpu, operands) {
+            out.push(format!("rms_norm bwd {shape} after a failed launch: {e}"));
+        }
+    }
+    // A failed event wait (cudarc records it; normkern reports it before launching).
+    let launches = fake.calls_of("cuLaunchKernelEx");
+    fake.fail_next("cuStreamWaitEvent", INVALID_HANDLE);
+    let result = rms_bwd(&gpu, &mut small);
+    let launched = fake.calls_of("cuLaunchKernelEx") - launches;
+    match result {
+        Err(normkern::Error::Driver { during, .. })
+            if launched == 0 && during.contains("event") => {}
+        other => out.push(format!(
+            "rms_norm bwd, an event wait failing: {other:?}, {launched} launches"
+        )),
+    }
+    if let Err(e) = rms_bwd(&gpu, &mut small) {
+        out.push(format!("rms_norm bwd after a failed event wait: {e}"));
+    }
+    Ok(out)
+}
+
 /// Shapes that reach each launch plan: a small batch (the backward's single launch), a large one
 /// at d = 4096, QK-norm's segment teams, two-pass narrow rows, and very wide rows (clusters).
 const SHAPES: [(usize, usize); 5] = [
@@ -505,6 +675,21 @@ fn report(check: bool, calls: u64) -> Result<bool, String> {
     for broken in loading_broken(&sm90, &sm80) {
         ok = false;
         eprintln!("BROKEN loading: {broken}");
+    }
+    let failures = failures_broken(&fake, &sm90)?;
+    println!(
+        "{} rejected calls (no driver call each), 3 driver failures (a typed error, nothing \
+         launched after): {}",
+        REJECTED.len(),
+        if failures.is_empty() {
+            "as promised"
+        } else {
+            "BROKEN"
+        }
+    );
+    for broken in failures {
+        ok = false;
+        eprintln!("BROKEN failures: {broken}");
     }
     println!(
         "normkern host path against the fake CUDA driver (an sm_90 device of {} SMs; nothing \
