@@ -328,25 +328,28 @@ const OPS: [(&str, Op); 10] = [
         };
         activation::gated_forward(gpu, args)
     }),
-    ("swiglu bwd", |gpu, o| {
-        let s = (o.rows, o.d);
-        let grad = GatedGrad::Separate {
-            da: rows_mut(&mut o.da, s)?,
-            db: rows_mut(&mut o.dx, s)?,
-        };
-        let input = GatedInput::Separate {
-            a: rows(&o.x, s)?,
-            b: rows(&o.dy, s)?,
-        };
-        let args = GatedBackward {
-            activation: Activation::Silu,
-            dh: rows(&o.y, s)?,
-            input,
-            grad,
-        };
-        activation::gated_backward(gpu, args)
-    }),
+    ("swiglu bwd", |gpu, o| swiglu_backward(gpu, o, o.rows)),
 ];
+
+/// SwiGLU's backward with da viewed as `da_rows` rows (the others `rows × d`).
+fn swiglu_backward(gpu: &Gpu<'_>, o: &mut Operands, da_rows: usize) -> normkern::Result<()> {
+    let s = (o.rows, o.d);
+    let grad = GatedGrad::Separate {
+        da: rows_mut(&mut o.da, (da_rows, o.d))?,
+        db: rows_mut(&mut o.dx, s)?,
+    };
+    let input = GatedInput::Separate {
+        a: rows(&o.x, s)?,
+        b: rows(&o.dy, s)?,
+    };
+    let args = GatedBackward {
+        activation: Activation::Silu,
+        dh: rows(&o.y, s)?,
+        input,
+        grad,
+    };
+    activation::gated_backward(gpu, args)
+}
 
 /// Calls the ops must reject before any driver call: a bad eps, a workspace too small, outputs
 /// of the wrong shape.
@@ -416,22 +419,7 @@ const REJECTED: [(&str, Op); 8] = [
         activation::gated_forward(gpu, args)
     }),
     ("swiglu bwd, da a row short", |gpu, o| {
-        let s = (o.rows, o.d);
-        let grad = GatedGrad::Separate {
-            da: rows_mut(&mut o.da, (o.rows - 1, o.d))?,
-            db: rows_mut(&mut o.dx, s)?,
-        };
-        let input = GatedInput::Separate {
-            a: rows(&o.x, s)?,
-            b: rows(&o.dy, s)?,
-        };
-        let args = GatedBackward {
-            activation: Activation::Silu,
-            dh: rows(&o.y, s)?,
-            input,
-            grad,
-        };
-        activation::gated_backward(gpu, args)
+        swiglu_backward(gpu, o, o.rows - 1)
     }),
 ];
 
