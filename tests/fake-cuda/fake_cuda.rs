@@ -3,14 +3,16 @@
 //! machine without a GPU can see which driver calls, and how many, one normkern call makes, and
 //! time normkern's own host work without the driver's.
 //!
-//! It answers as one H200-like device would (sm_90, 132 SMs, 227 KiB of opt-in shared memory),
-//! hands out device addresses that no memory backs (copies and fills do nothing: the check never
-//! reads results), and records the last launch's shape. `tests/build.rs` compiles this file alone
+//! It answers as one H200-like device would (sm_90, 132 SMs, 227 KiB of opt-in shared memory;
+//! occupancy from threads and shared memory only, registers not modelled, so a plan's grid or tile
+//! can differ from the H200's), hands out device addresses that no memory backs (copies and fills
+//! do nothing: the check never reads results), and records the latest launches. `tests/build.rs`
+//! compiles this file alone
 //! into `libcuda.so` (no dependencies); it is not a crate of the workspace, so that no
 //! `libcuda.so` lands where a program could load it by mistake.
 //!
 //! Besides the driver's functions it exports `fake_cuda_*` functions for the check: the call
-//! names and counts, the last launch, and a failure of the next call of a function (the launch,
+//! names and counts, the latest launches, and a failure of the next call of a function (the launch,
 //! an event wait or record, a fill).
 
 #![allow(non_snake_case)] // the driver's names
@@ -140,7 +142,7 @@ pub extern "C" fn fake_cuda_fail_next(i: usize, code: CUresult) {
     }
 }
 
-/// The last launch: grid, block, dynamic shared bytes, cluster size (1 without the attribute),
+/// A launch: grid, block, dynamic shared bytes, cluster size (1 without the attribute),
 /// cooperative (0 or 1), and its kernel's name (the address of a NUL-terminated string kept for
 /// the process's life).
 #[repr(C)]
@@ -154,20 +156,28 @@ pub struct FakeLaunch {
     pub kernel: usize,
 }
 
-static LAST_LAUNCH: std::sync::Mutex<FakeLaunch> = std::sync::Mutex::new(FakeLaunch {
+const NO_LAUNCH: FakeLaunch = FakeLaunch {
     grid: 0,
     block: 0,
     shared_bytes: 0,
     cluster: 0,
     cooperative: 0,
     kernel: 0,
-});
+};
 
-/// Copies the last launch into `out`.
+/// How many of the latest launches are kept (a call makes one or two).
+const KEPT_LAUNCHES: usize = 4;
+
+/// The latest launches, the last first.
+static LAUNCHES: std::sync::Mutex<[FakeLaunch; KEPT_LAUNCHES]> =
+    std::sync::Mutex::new([NO_LAUNCH; KEPT_LAUNCHES]);
+
+/// Copies into `out` the launch `back` launches before the last (0: the last; all zeros past
+/// what is kept).
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn fake_cuda_last_launch(out: *mut FakeLaunch) {
-    let last = *LAST_LAUNCH.lock().unwrap_or_else(|p| p.into_inner());
-    unsafe { put(out, last) };
+pub unsafe extern "C" fn fake_cuda_recent_launch(back: usize, out: *mut FakeLaunch) {
+    let launches = *LAUNCHES.lock().unwrap_or_else(|p| p.into_inner());
+    unsafe { put(out, launches.get(back).copied().unwrap_or(NO_LAUNCH)) };
 }
 
 // --- device and context -------------------------------------------------------------------------
@@ -655,7 +665,7 @@ pub extern "C" fn cuLaunchKernel(
     SUCCESS
 }
 
-/// Runs nothing; records the launch's shape for `fake_cuda_last_launch`.
+/// Runs nothing; records the launch for `fake_cuda_recent_launch`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuLaunchKernelEx(
     config: *const LaunchConfig,
@@ -671,7 +681,9 @@ pub unsafe extern "C" fn cuLaunchKernelEx(
         return INVALID_VALUE;
     };
     let (cluster, cooperative) = unsafe { cluster_and_cooperative(config) };
-    *LAST_LAUNCH.lock().unwrap_or_else(|p| p.into_inner()) = FakeLaunch {
+    let mut launches = LAUNCHES.lock().unwrap_or_else(|p| p.into_inner());
+    launches.copy_within(..KEPT_LAUNCHES - 1, 1);
+    launches[0] = FakeLaunch {
         grid: config.grid[0],
         block: config.block[0],
         shared_bytes: config.shared_bytes,

@@ -7,6 +7,7 @@
 //! ```sh
 //! cargo run --release -p normkern-tests --bin host_path            # the table
 //! cargo run --release -p normkern-tests --bin host_path -- --check # and exit 1 if a promise fails
+//! cargo run --release -p normkern-tests --bin host_path -- --shapes 8192x8192 --calls 10 # plans
 //! ```
 //!
 //! `--check` holds every op, once its shape has been seen, to the README's promises: no driver
@@ -65,12 +66,12 @@ const UNDER_FAKE: &str = "NORMKERN_UNDER_FAKE_CUDA";
 const PER_CALL: [&str; 3] = ["cuLaunchKernelEx", "cuMemsetD32Async", "cuCtxGetCurrent"];
 const PER_CALL_TRACKED: [&str; 3] = ["cuStreamIsCapturing", "cuStreamWaitEvent", "cuEventRecord"];
 
-/// The fake driver's counters and last launch, through its `fake_cuda_*` exports.
+/// The fake driver's counters and latest launches, through its `fake_cuda_*` exports.
 struct Fake {
     _lib: libloading::Library,
     names: Vec<&'static str>,
     count: unsafe extern "C" fn(usize) -> u64,
-    last_launch: unsafe extern "C" fn(*mut FakeLaunch),
+    recent_launch: unsafe extern "C" fn(usize, *mut FakeLaunch),
     fail_next: unsafe extern "C" fn(usize, u32),
 }
 
@@ -103,8 +104,8 @@ impl Fake {
             let count = *lib
                 .get::<unsafe extern "C" fn(usize) -> u64>(b"fake_cuda_call_count")
                 .map_err(|e| e.to_string())?;
-            let last_launch = *lib
-                .get::<unsafe extern "C" fn(*mut FakeLaunch)>(b"fake_cuda_last_launch")
+            let recent_launch = *lib
+                .get::<unsafe extern "C" fn(usize, *mut FakeLaunch)>(b"fake_cuda_recent_launch")
                 .map_err(|e| e.to_string())?;
             let fail_next = *lib
                 .get::<unsafe extern "C" fn(usize, u32)>(b"fake_cuda_fail_next")
@@ -116,7 +117,7 @@ impl Fake {
                 _lib: lib,
                 names,
                 count,
-                last_launch,
+                recent_launch,
                 fail_next,
             })
         }
@@ -144,18 +145,24 @@ impl Fake {
         i.map_or(0, |i| unsafe { (self.count)(i) })
     }
 
-    /// The last launch's shape and kernel name.
-    fn last_launch(&self) -> (FakeLaunch, &'static str) {
-        let mut launch = FakeLaunch::default();
-        // SAFETY: writes one FakeLaunch; its kernel is a string the fake keeps for the process.
-        unsafe { (self.last_launch)(&mut launch) };
-        let kernel = match launch.kernel {
-            0 => "none",
-            k => unsafe { CStr::from_ptr(k as *const c_char) }
-                .to_str()
-                .unwrap_or("?"),
-        };
-        (launch, kernel)
+    /// The `n` latest launches, in launch order, each with its kernel's name.
+    fn launches(&self, n: usize) -> Vec<(FakeLaunch, &'static str)> {
+        (0..n)
+            .rev()
+            .map(|back| {
+                let mut launch = FakeLaunch::default();
+                // SAFETY: writes one FakeLaunch; its kernel is a string the fake keeps for the
+                // process.
+                unsafe { (self.recent_launch)(back, &mut launch) };
+                let kernel = match launch.kernel {
+                    0 => "none",
+                    k => unsafe { CStr::from_ptr(k as *const c_char) }
+                        .to_str()
+                        .unwrap_or("?"),
+                };
+                (launch, kernel)
+            })
+            .collect()
     }
 }
 
@@ -511,7 +518,8 @@ struct Row {
     allocations: u64,
     calls: u64,
     median_ns: f64,
-    last: (FakeLaunch, &'static str),
+    /// The launches of the last call, in order.
+    launches: Vec<(FakeLaunch, &'static str)>,
 }
 
 fn measure(
@@ -545,6 +553,11 @@ fn measure(
     let allocations = ALLOCATIONS.load(Relaxed) - allocations - 1; // `times` grew once
     let after = fake.counts();
     times.sort_by(f64::total_cmp);
+    let launches_per_call = fake
+        .names
+        .iter()
+        .position(|n| *n == "cuLaunchKernelEx")
+        .map_or(0, |i| (after[i] - counts[i]) / calls) as usize;
     let driver = fake
         .names
         .iter()
@@ -562,7 +575,7 @@ fn measure(
         allocations,
         calls,
         median_ns: times[times.len() / 2],
-        last: fake.last_launch(),
+        launches: fake.launches(launches_per_call),
     })
 }
 
@@ -586,7 +599,7 @@ fn broken(row: &Row) -> Vec<String> {
     if !row.driver.iter().any(|&(n, _)| n == "cuLaunchKernelEx") {
         out.push("no launch".into());
     }
-    if row.build < 90 && row.last.0.cluster > 1 {
+    if row.build < 90 && row.launches.iter().any(|(l, _)| l.cluster > 1) {
         out.push("a cluster launch in a build without clusters".into());
     }
     out
@@ -607,12 +620,25 @@ fn main() -> ExitCode {
         return run_under_fake();
     }
     let check = args.iter().any(|a| a == "--check");
-    let calls = args
-        .iter()
-        .position(|a| a == "--calls")
-        .and_then(|i| args.get(i + 1)?.parse().ok())
+    let value = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+    };
+    let calls = value("--calls")
+        .and_then(|v| v.parse().ok())
         .unwrap_or(2000u64);
-    match report(check, calls.max(1)) {
+    // `--shapes RxD,…`: which plans (kernels, grid, block) other shapes get, without a GPU (under
+    // the fake's occupancy answers, which ignore registers).
+    let shapes = match value("--shapes").map(|v| parse_shapes(v)) {
+        Some(Ok(shapes)) => shapes,
+        Some(Err(e)) => {
+            eprintln!("host_path: --shapes: {e}");
+            return ExitCode::FAILURE;
+        }
+        None => SHAPES.to_vec(),
+    };
+    match report(check, calls.max(1), &shapes) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(e) => {
@@ -653,7 +679,18 @@ fn run_under_fake() -> ExitCode {
     ExitCode::FAILURE
 }
 
-fn report(check: bool, calls: u64) -> Result<bool, String> {
+/// `RxD,RxD,…`.
+fn parse_shapes(list: &str) -> Result<Vec<(usize, usize)>, String> {
+    list.split(',')
+        .map(|shape| {
+            let (rows, d) = shape.split_once('x').ok_or(format!("{shape}: not RxD"))?;
+            let number = |v: &str| v.parse::<usize>().map_err(|e| format!("{shape}: {e}"));
+            Ok((number(rows)?, number(d)?))
+        })
+        .collect()
+}
+
+fn report(check: bool, calls: u64, shapes: &[(usize, usize)]) -> Result<bool, String> {
     let sm90 = Context::new(0).map_err(|e| e.to_string())?;
     // The A100 build's plans (no clusters, no sm_90 kernels) on the same device.
     let sm80 =
@@ -686,8 +723,7 @@ fn report(check: bool, calls: u64) -> Result<bool, String> {
     );
     println!(
         "| build | op | rows×d | event tracking | host ns/call | launches | fills | event waits + \
-         records | heap allocs | driver queries, first call | last kernel (grid×block, cluster, \
-         coop.) |"
+         records | heap allocs | driver queries, first call | kernels (grid×block) |"
     );
     println!("|---|---|---|---|---:|---:|---:|---:|---:|---:|---|");
     // The range of the medians, by event tracking on / off.
@@ -703,7 +739,7 @@ fn report(check: bool, calls: u64) -> Result<bool, String> {
         }
         let stream = ctx.cuda().new_stream().map_err(|e| e.to_string())?;
         let gpu = ctx.on(&stream).map_err(|e| e.to_string())?;
-        for shape in SHAPES {
+        for &shape in shapes {
             let mut operands = Operands::new(&stream, shape).map_err(|e| e.to_string())?;
             for op in OPS {
                 let row = measure(&fake, &gpu, &mut operands, op, tracked, calls)
@@ -780,10 +816,24 @@ fn loading_broken(sm90: &Context, sm80: &Context) -> Vec<String> {
 }
 
 fn print_row(row: &Row) {
-    let (launch, kernel) = row.last;
+    let kernels: Vec<String> = (row.launches.iter())
+        .map(|(l, kernel)| {
+            let cluster = if l.cluster > 1 {
+                format!(", clusters of {}", l.cluster)
+            } else {
+                String::new()
+            };
+            let cooperative = if l.cooperative != 0 {
+                ", cooperative"
+            } else {
+                ""
+            };
+            format!("{kernel} ({}×{}{cluster}{cooperative})", l.grid, l.block)
+        })
+        .collect();
     let events = per_call(row, "cuStreamWaitEvent") + per_call(row, "cuEventRecord");
     println!(
-        "| sm_{} | {} | {}×{} | {} | {:.0} | {} | {} | {} | {} | {} | {kernel} ({}×{}, {}, {}) |",
+        "| sm_{} | {} | {}×{} | {} | {:.0} | {} | {} | {} | {} | {} | {} |",
         row.build,
         row.op,
         row.shape.0,
@@ -795,9 +845,6 @@ fn print_row(row: &Row) {
         events,
         row.allocations as f64 / row.calls as f64,
         row.first_call,
-        launch.grid,
-        launch.block,
-        launch.cluster,
-        launch.cooperative,
+        kernels.join(" then "),
     );
 }
