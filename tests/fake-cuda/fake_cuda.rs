@@ -12,8 +12,8 @@
 //! `libcuda.so` lands where a program could load it by mistake.
 //!
 //! Besides the driver's functions it exports `fake_cuda_*` functions for the check: the call
-//! names and counts, the latest launches, and a failure of the next call of a function (the launch,
-//! an event wait or record, a fill).
+//! names and counts, the latest launches, a failure of the next call of a function (the launch,
+//! an event wait or record, a fill), and streams that say they are capturing a graph.
 
 #![allow(non_snake_case)] // the driver's names
 #![allow(clippy::missing_safety_doc)] // each function is the driver's, with its documented contract
@@ -500,14 +500,22 @@ pub extern "C" fn cuStreamWaitEvent(
     count(Call::cuStreamWaitEvent)
 }
 
-/// Never capturing.
+/// What `cuStreamIsCapturing` says of every stream: 0 none (the default), 1 active.
+static CAPTURE_STATUS: AtomicU32 = AtomicU32::new(0);
+
+/// Makes every stream report capture status `status` (0 none, 1 active, 2 invalidated).
+#[unsafe(no_mangle)]
+pub extern "C" fn fake_cuda_set_capture_status(status: c_uint) {
+    CAPTURE_STATUS.store(status, Relaxed);
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuStreamIsCapturing(
     _stream: *mut c_void,
     status: *mut c_uint,
 ) -> CUresult {
     count(Call::cuStreamIsCapturing);
-    unsafe { put(status, 0) }
+    unsafe { put(status, CAPTURE_STATUS.load(Relaxed)) }
 }
 
 #[unsafe(no_mangle)]

@@ -73,6 +73,7 @@ struct Fake {
     count: unsafe extern "C" fn(usize) -> u64,
     recent_launch: unsafe extern "C" fn(usize, *mut FakeLaunch),
     fail_next: unsafe extern "C" fn(usize, u32),
+    set_capture_status: unsafe extern "C" fn(u32),
 }
 
 /// `FakeLaunch` of the fake driver.
@@ -110,6 +111,9 @@ impl Fake {
             let fail_next = *lib
                 .get::<unsafe extern "C" fn(usize, u32)>(b"fake_cuda_fail_next")
                 .map_err(|e| e.to_string())?;
+            let set_capture_status = *lib
+                .get::<unsafe extern "C" fn(u32)>(b"fake_cuda_set_capture_status")
+                .map_err(|e| e.to_string())?;
             let names = (0..calls())
                 .map(|i| CStr::from_ptr(name(i)).to_str().unwrap_or("?"))
                 .collect();
@@ -119,6 +123,7 @@ impl Fake {
                 count,
                 recent_launch,
                 fail_next,
+                set_capture_status,
             })
         }
     }
@@ -136,6 +141,12 @@ impl Fake {
             // SAFETY: an index within the fake's table.
             unsafe { (self.fail_next)(i, code) };
         }
+    }
+
+    /// Makes every stream say it is capturing a graph (or not).
+    fn set_capturing(&self, capturing: bool) {
+        // SAFETY: the fake's export; 1 is CU_STREAM_CAPTURE_STATUS_ACTIVE.
+        unsafe { (self.set_capture_status)(u32::from(capturing)) };
     }
 
     /// Calls of driver function `name` so far.
@@ -433,7 +444,8 @@ const REJECTED: [(&str, Op); 8] = [
 /// What a call does when it is rejected or when the driver fails under it (event tracking on, so
 /// every operand's event traffic shows): a rejected call makes no driver call at all; a failed
 /// launch or event wait is an `Error::Driver` naming it, with no launch after it (a two-launch
-/// backward stops at its first); the next call succeeds.
+/// backward stops at its first); the next call succeeds. On a stream capturing a graph every op
+/// is `Error::CaptureWithEventTracking` before any event wait.
 fn failures_broken(fake: &Fake, ctx: &Context) -> Result<Vec<String>, String> {
     const OUT_OF_RESOURCES: u32 = 701;
     const INVALID_HANDLE: u32 = 400;
@@ -490,6 +502,24 @@ fn failures_broken(fake: &Fake, ctx: &Context) -> Result<Vec<String>, String> {
     if let Err(e) = rms_bwd(&gpu, &mut small) {
         out.push(format!("rms_norm bwd after a failed event wait: {e}"));
     }
+    // A stream capturing a graph with event tracking on: every op refuses before any operand's
+    // event wait (which would invalidate the capture), asking the driver only whether it captures
+    // (and cudarc which context is current).
+    fake.set_capturing(true);
+    for (what, op) in OPS {
+        let before = fake.counts();
+        let result = op(&gpu, &mut small);
+        let asked: Vec<String> = (fake.names.iter().zip(before.iter().zip(fake.counts())))
+            .filter(|(n, (b, a))| a > b && !["cuStreamIsCapturing", "cuCtxGetCurrent"].contains(n))
+            .map(|(n, (b, a))| format!("{} × {n}", a - b))
+            .collect();
+        if result != Err(normkern::Error::CaptureWithEventTracking) || !asked.is_empty() {
+            out.push(format!(
+                "{what} while capturing: {result:?}, driver calls {asked:?}"
+            ));
+        }
+    }
+    fake.set_capturing(false);
     Ok(out)
 }
 
@@ -704,8 +734,10 @@ fn report(check: bool, calls: u64, shapes: &[(usize, usize)]) -> Result<bool, St
     let failures = failures_broken(&fake, &sm90)?;
     println!(
         "{} rejected calls (no driver call each), 3 driver failures (a typed error, nothing \
-         launched after): {}",
+         launched after), {} ops on a capturing stream with event tracking on (refused before \
+         any event wait): {}",
         REJECTED.len(),
+        OPS.len(),
         if failures.is_empty() {
             "as promised"
         } else {
