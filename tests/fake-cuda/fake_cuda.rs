@@ -133,13 +133,23 @@ pub extern "C" fn fake_cuda_call_count(i: usize) -> u64 {
     COUNTS.get(i).map_or(0, |c| c.load(Relaxed))
 }
 
-/// Makes the next call of function `i` return `code` (a `CUresult` the driver defines: cudarc
-/// keeps it as its enum).
+/// Makes the next call of function `i` return `code`; false (and nothing armed) unless function
+/// `i` honours failures (the launch, event waits and records, 32-bit fills) and `code` is one of
+/// the driver's that cudarc can hold (its enum: an unknown value would be undefined behaviour).
 #[unsafe(no_mangle)]
-pub extern "C" fn fake_cuda_fail_next(i: usize, code: CUresult) {
-    if let Some(f) = FAILURES.get(i) {
-        f.store(code, Relaxed);
+pub extern "C" fn fake_cuda_fail_next(i: usize, code: CUresult) -> bool {
+    const FAILABLE: [Call; 4] = [
+        Call::cuLaunchKernelEx,
+        Call::cuStreamWaitEvent,
+        Call::cuEventRecord,
+        Call::cuMemsetD32Async,
+    ];
+    let failable = FAILABLE.iter().any(|&c| c as usize == i);
+    if !failable || ![INVALID_VALUE, 400, 701].contains(&code) {
+        return false;
     }
+    FAILURES[i].store(code, Relaxed);
+    true
 }
 
 /// A launch: grid, block, dynamic shared bytes, cluster size (1 without the attribute),
@@ -308,6 +318,7 @@ pub unsafe extern "C" fn cuGetErrorName(error: CUresult, name: *mut *const c_cha
     let text = match error {
         0 => c"CUDA_SUCCESS",
         1 => c"CUDA_ERROR_INVALID_VALUE",
+        101 => c"CUDA_ERROR_INVALID_DEVICE",
         400 => c"CUDA_ERROR_INVALID_HANDLE",
         701 => c"CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
         _ => c"CUDA_ERROR_UNKNOWN",
@@ -456,7 +467,7 @@ pub unsafe extern "C" fn cuOccupancyMaxActiveClusters(
     };
     let (cluster, _) = unsafe { cluster_and_cooperative(config) };
     let per_sm = blocks_per_sm(config.block[0] as c_int, config.shared_bytes as usize);
-    // Clusters sit within a GPC: 132 SMs as 7 GPCs of up to 18 (H200's count, rounded).
+    // Clusters sit within a GPC: H200's 132 SMs as 7 GPCs of at most 18 (an estimate).
     let per_gpc = (per_sm * 18) / cluster.max(1) as c_int;
     unsafe { put(clusters, per_gpc * 7) }
 }
@@ -503,10 +514,13 @@ pub extern "C" fn cuStreamWaitEvent(
 /// What `cuStreamIsCapturing` says of every stream: 0 none (the default), 1 active.
 static CAPTURE_STATUS: AtomicU32 = AtomicU32::new(0);
 
-/// Makes every stream report capture status `status` (0 none, 1 active, 2 invalidated).
+/// Makes every stream report capture status `status` (0 none, 1 active, 2 invalidated: the
+/// values of cudarc's enum; others are ignored).
 #[unsafe(no_mangle)]
 pub extern "C" fn fake_cuda_set_capture_status(status: c_uint) {
-    CAPTURE_STATUS.store(status, Relaxed);
+    if status <= 2 {
+        CAPTURE_STATUS.store(status, Relaxed);
+    }
 }
 
 #[unsafe(no_mangle)]
@@ -605,7 +619,9 @@ pub extern "C" fn cuMemcpyHtoDAsync_v2(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, _src: u64, bytes: usize) -> CUresult {
     count(Call::cuMemcpyDtoH_v2);
-    unsafe { std::ptr::write_bytes(dst.cast::<u8>(), 0, bytes) };
+    if !dst.is_null() {
+        unsafe { std::ptr::write_bytes(dst.cast::<u8>(), 0, bytes) };
+    }
     SUCCESS
 }
 
@@ -617,7 +633,9 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
     _stream: *mut c_void,
 ) -> CUresult {
     count(Call::cuMemcpyDtoHAsync_v2);
-    unsafe { std::ptr::write_bytes(dst.cast::<u8>(), 0, bytes) };
+    if !dst.is_null() {
+        unsafe { std::ptr::write_bytes(dst.cast::<u8>(), 0, bytes) };
+    }
     SUCCESS
 }
 

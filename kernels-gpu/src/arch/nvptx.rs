@@ -426,9 +426,10 @@ impl SharedF32 {
     }
 }
 
-/// `v`, through an instruction the compiler cannot see through: what is computed from it is
-/// computed where it is used, not carried from one loop iteration to the next as a stepped
-/// pointer (which holds registers across the loop).
+/// `v`, through an instruction the compiler cannot see through: what is computed from it is not
+/// derived from the previous loop iteration's (no stepped pointer holding registers across the
+/// loop). The asm is `pure`, so LLVM may still merge or hoist it where its input does not change
+/// in the loop: whether a use stops a spill is ptxas's report's to say (`cargo xtask ptxas`).
 #[inline(always)]
 pub fn opaque(v: usize) -> usize {
     let out: u64;
