@@ -139,9 +139,22 @@ impl Fake {
     /// function it does not fail, a code it does not give).
     #[must_use]
     fn fail_next(&self, name: &str, code: u32) -> bool {
-        let i = self.names.iter().position(|n| *n == name);
         // SAFETY: an index within the fake's table.
-        i.is_some_and(|i| unsafe { (self.fail_next)(i, code) })
+        self.index(name)
+            .is_some_and(|i| unsafe { (self.fail_next)(i, code) })
+    }
+
+    /// Driver function `name`'s index in the fake's table.
+    fn index(&self, name: &str) -> Option<usize> {
+        self.names.iter().position(|n| *n == name)
+    }
+
+    /// Each driver function called since `before` (a [`Self::counts`]), with its calls.
+    fn since(&self, before: &[u64]) -> Vec<(&'static str, u64)> {
+        (self.names.iter().zip(before.iter().zip(self.counts())))
+            .filter(|(_, (b, a))| a > *b)
+            .map(|(n, (b, a))| (*n, a - b))
+            .collect()
     }
 
     /// Makes every stream say it is capturing a graph (or not).
@@ -152,9 +165,8 @@ impl Fake {
 
     /// Calls of driver function `name` so far.
     fn calls_of(&self, name: &str) -> u64 {
-        let i = self.names.iter().position(|n| *n == name);
         // SAFETY: an index within the fake's table.
-        i.map_or(0, |i| unsafe { (self.count)(i) })
+        self.index(name).map_or(0, |i| unsafe { (self.count)(i) })
     }
 
     /// The `n` latest launches, in launch order, each with its kernel's name.
@@ -458,7 +470,7 @@ fn failures_broken(fake: &Fake, ctx: &Context) -> Result<Vec<String>, String> {
     for ((what, op), expected) in REJECTED.into_iter().zip(REJECTED_AS) {
         let before = fake.counts();
         let result = op(&gpu, &mut small);
-        let calls: u64 = before.iter().zip(fake.counts()).map(|(b, a)| a - b).sum();
+        let calls: u64 = fake.since(&before).iter().map(|&(_, n)| n).sum();
         match result {
             Err(e) if !format!("{e:?}").starts_with(expected) => {
                 out.push(format!("{what}: rejected as {e:?}, not {expected}…"))
@@ -515,9 +527,9 @@ fn failures_broken(fake: &Fake, ctx: &Context) -> Result<Vec<String>, String> {
     for (what, op) in OPS {
         let before = fake.counts();
         let result = op(&gpu, &mut small);
-        let asked: Vec<String> = (fake.names.iter().zip(before.iter().zip(fake.counts())))
-            .filter(|(n, (b, a))| a > b && !["cuStreamIsCapturing", "cuCtxGetCurrent"].contains(n))
-            .map(|(n, (b, a))| format!("{} × {n}", a - b))
+        let asked: Vec<String> = (fake.since(&before).into_iter())
+            .filter(|(name, _)| !["cuStreamIsCapturing", "cuCtxGetCurrent"].contains(name))
+            .map(|(name, n)| format!("{n} × {name}"))
             .collect();
         if result != Err(normkern::Error::CaptureWithEventTracking) || !asked.is_empty() {
             out.push(format!(
@@ -581,12 +593,9 @@ fn measure(
 ) -> normkern::Result<Row> {
     let before = fake.counts();
     run(gpu, operands)?;
-    let first_call = fake
-        .names
-        .iter()
-        .zip(before.iter().zip(fake.counts()))
-        .filter(|(n, _)| !PER_CALL.contains(n) && !PER_CALL_TRACKED.contains(n))
-        .map(|(_, (b, a))| a - b)
+    let first_call = (fake.since(&before).into_iter())
+        .filter(|(name, _)| !PER_CALL.contains(name) && !PER_CALL_TRACKED.contains(name))
+        .map(|(_, n)| n)
         .sum();
     // Warm the caches and the branch predictors, then count over the measured calls only.
     for _ in 0..16 {
@@ -601,20 +610,10 @@ fn measure(
     }
     // Less `times`' own allocation (its `with_capacity`).
     let allocations = ALLOCATIONS.load(Relaxed) - allocations - 1;
-    let after = fake.counts();
+    let driver = fake.since(&counts);
     times.sort_by(f64::total_cmp);
-    let launches_per_call = fake
-        .names
-        .iter()
-        .position(|n| *n == "cuLaunchKernelEx")
-        .map_or(0, |i| (after[i] - counts[i]) / calls) as usize;
-    let driver = fake
-        .names
-        .iter()
-        .zip(counts.iter().zip(&after))
-        .filter(|(_, (b, a))| a > b)
-        .map(|(n, (b, a))| (*n, a - b))
-        .collect();
+    let launches = driver.iter().find(|&&(name, _)| name == "cuLaunchKernelEx");
+    let launches_per_call = launches.map_or(0, |&(_, n)| n / calls) as usize;
     Ok(Row {
         build: gpu.context().ptx_arch(),
         op,
