@@ -196,7 +196,7 @@ pub(super) unsafe fn backward_regs<
     let prefetch = tile.prefetch;
     let mut group = team.first;
     while group < p.groups as usize {
-        let first = group * p.rows_per_group as usize;
+        let first = arch::opaque(group) * p.rows_per_group as usize;
         let end = (first + p.rows_per_group as usize).min(rows);
         let mut dgamma = [[0.0f32; 8]; VPT];
         let mut dbeta = [[0.0f32; 8]; VPT];

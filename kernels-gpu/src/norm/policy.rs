@@ -141,8 +141,9 @@ pub const fn forward_words(
 /// Whether a backward register tile or segment team loads the next row before reducing this
 /// one. The widest tile of a wide source (the `_res` families hold the row as f32) has no
 /// registers left for a second row: it would spill. LayerNorm's widest plain tile makes room by
-/// holding γ in shared memory, and still spills 12 bytes at 255 registers (16-bit); without the
-/// prefetch it spilled nothing but measured 9 points slower (8192×8192: 65.1 → 56.0 % of copy,
+/// holding γ in shared memory and by its group's first row through `arch::opaque` (no row
+/// pointers carried from group to group: it spilled 40–92 bytes at 255 registers before); without
+/// the prefetch it spilled nothing but measured 9 points slower (8192×8192: 65.1 → 56.0 % of copy,
 /// `bench-results/h200.md`, eighteenth session), so it keeps it.
 pub const fn backward_prefetches(wide: bool, vpt: usize) -> bool {
     !(wide && vpt >= 4)
@@ -157,14 +158,17 @@ pub const fn backward_prefetches(wide: bool, vpt: usize) -> bool {
 pub const STREAM_DEPTH: usize = 2;
 
 /// Whether a backward register tile holds γ in shared memory rather than in registers:
-/// LayerNorm's block tiles of two or more accesses per thread. Their rows, dγ and dβ fill the
-/// registers: the widest plain tile needs the room for the next row (it waits on two reductions per
-/// row, so it needs one in flight), the two-access tile to keep two blocks per SM (128 registers)
-/// without spilling, the widest residual tile to stay within 255. Segment teams (`lanes` ≠ 0) keep
-/// it in registers: their one multi-access instance takes single elements (4 a lane), and 256
-/// threads' γ in shared memory would need 66 KB, more than a block may have without opting in.
+/// LayerNorm's block tiles of two or more accesses per thread, and the segment teams of one
+/// access a lane (`lanes` ≠ 0, both norms). The block tiles' rows, dγ and dβ fill the registers:
+/// the widest plain tile needs the room for the next row (it waits on two reductions per row, so
+/// it needs one in flight), the two-access tile to keep two blocks per SM (128 registers) without
+/// spilling, the widest residual tile to stay within 255. The segment teams keep three blocks per
+/// SM at 80 registers with the next row prefetched, where ptxas spilled half of γ and reloaded it
+/// every row; with γ in shared memory (8 KB a block) they fit (LayerNorm's dβ and μ besides:
+/// on sm_90; RMSNorm's sm_80 build spilled with γ in registers). Their one multi-access instance
+/// takes single elements (4 a lane) and keeps γ in registers: 256 threads' γ would need 66 KB.
 pub const fn gamma_in_shared(centered: bool, vpt: usize, lanes: usize) -> bool {
-    centered && vpt >= 2 && lanes == 0
+    (centered && vpt >= 2 && lanes == 0) || (vpt == 1 && lanes != 0)
 }
 
 /// Whether a plain backward instance adds a dresidual in the activations' dtype: the packed
@@ -416,15 +420,17 @@ pub const fn backward_register_budget(key: NormKey) -> u32 {
         128
     } else if key.lanes != 0 && !key.residual {
         // Segment teams (256 threads): 80 keep three blocks per SM where ptxas's own choice
-        // (101–128 at 16 bits) keeps two. At 16 bits 80 spills (RMSNorm 40–48 bytes, LayerNorm
-        // 152–164), yet measured faster than ptxas's choice without spills (RMSNorm 1048576×128
-        // 84.4 against 77.2 % of copy, LayerNorm 77.9 against 75.8; eighteenth session).
+        // (101–128 at 16 bits) keeps two, which measured slower (RMSNorm 1048576×128 84.4 against
+        // 77.2 % of copy, LayerNorm 77.9 against 75.8; eighteenth session). With γ in shared
+        // memory ([`gamma_in_shared`]) and row addresses not carried from group to group
+        // (`arch::opaque`) they fit 80 without spilling (sm_80 builds: with `arch::recomputed_on_sm80`).
         80
     } else if key.dtype.bytes() == 2 && staged_block_tile(key) && !key.ring {
         // The staged block tile compiles the ring and the register prefetch side by side
         // ([`block_stages_rows`]): ptxas's choice of 94 registers at 16 bits keeps ten 64-thread
         // blocks per SM instead of twelve, which cost the prefetch 8 points (262144×512: 79.9 →
-        // 71.8 % of copy); 80 keep twelve and spill 16 bytes.
+        // 71.8 % of copy); 80 keep twelve, without spills on sm_90 since the group's first row
+        // goes through `arch::opaque` (40 bytes before).
         80
     } else {
         0

@@ -68,7 +68,9 @@ pub(super) unsafe fn backward_segments<
     let prefetch = tile.prefetch;
     let mut group = arch::block_idx();
     while group < p.groups as usize {
-        let first = group * per_group;
+        // Row addresses from the group afresh, not stepped from the last group's: stepped, they
+        // held registers across the row loop that ptxas spilled.
+        let first = arch::opaque(group) * per_group;
         let end = (first + per_group).min(rows);
         let mut dgamma = [[0.0f32; 8]; VPT];
         let mut dbeta = [[0.0f32; 8]; VPT];

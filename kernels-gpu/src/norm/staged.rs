@@ -278,7 +278,7 @@ unsafe fn staged_rows<
 ) {
     let (per_group, rows) = (p.rows_per_group as usize, p.rows as usize);
     let group_rows = |group: usize| {
-        let first = group * per_group;
+        let first = arch::opaque(group) * per_group;
         (first, (first + per_group).min(rows))
     };
     let filler = arch::thread_idx() == 0;
