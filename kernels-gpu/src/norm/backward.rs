@@ -6,7 +6,7 @@ use super::params::BackwardParams;
 use super::policy::{
     STREAM, block_stages_rows, gamma_end, instance_backward_words, plain_adds_dresidual, staged,
 };
-use super::rows::{Plain, ResidualBackward, RowSource, param, row_stats_stream};
+use super::rows::{Plain, ResidualBackward, RowSource, group_rows, param, row_stats_stream};
 use super::segments::{SEGMENT_THREADS, backward_segments, combine_words};
 use super::staged::backward_staged;
 use super::tile::BackwardTile;
@@ -196,16 +196,14 @@ pub(super) unsafe fn backward_regs<
     let prefetch = tile.prefetch;
     let mut group = team.first;
     while group < p.groups as usize {
-        // The wider tiles take their group's rows afresh (stepped from the last group's, the row
-        // addresses held registers across the row loop that ptxas spilled); LayerNorm's
-        // one-access tile keeps them stepped: it fits either way and measured 6 points faster so.
-        let group_rows = if N::CENTERED && VPT == 1 {
-            group
-        } else {
-            arch::opaque(group)
-        };
-        let first = group_rows * p.rows_per_group as usize;
-        let end = (first + p.rows_per_group as usize).min(rows);
+        // LayerNorm's one-access tile keeps its rows stepped: it fits either way and measured 6
+        // points faster so.
+        let (first, end) = group_rows(
+            group,
+            p.rows_per_group as usize,
+            rows,
+            !(N::CENTERED && VPT == 1),
+        );
         let mut dgamma = [[0.0f32; 8]; VPT];
         let mut dbeta = [[0.0f32; 8]; VPT];
         let mut next = BackwardTile::<T, VEC, VPT, N, S>::empty();

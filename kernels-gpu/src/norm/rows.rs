@@ -597,6 +597,21 @@ pub(super) unsafe fn param<T: Element, const VEC: bool>(
     v
 }
 
+/// Rows `first..end` of dγ group `group` of `rows` rows in groups of `per_group` (the last group
+/// has the rest). `fresh`: the first row goes through `arch::opaque`, so the group's row addresses
+/// are computed afresh rather than stepped from the last group's — stepped, they held registers
+/// across the row loop that ptxas spilled.
+#[inline(always)]
+pub(super) fn group_rows(
+    group: usize,
+    per_group: usize,
+    rows: usize,
+    fresh: bool,
+) -> (usize, usize) {
+    let first = if fresh { arch::opaque(group) } else { group } * per_group;
+    (first, (first + per_group).min(rows))
+}
+
 /// Calls `f(a, raw)` for the accesses `a = first, first + step, …` below `accesses` of one
 /// streaming pass, in that order, with each access as loaded by `load`; the loads of `DEPTH`
 /// consecutive accesses (`policy::STREAM_DEPTH`, or one for two-operand sources) are issued

@@ -14,7 +14,7 @@
 
 use super::Normalization;
 use super::params::BackwardParams;
-use super::rows::RowSource;
+use super::rows::{RowSource, group_rows};
 use super::tile::BackwardTile;
 use crate::arch::{self, WARP};
 use crate::column_sum::{GroupSums, store_group_partials};
@@ -68,10 +68,7 @@ pub(super) unsafe fn backward_segments<
     let prefetch = tile.prefetch;
     let mut group = arch::block_idx();
     while group < p.groups as usize {
-        // Row addresses from the group afresh, not stepped from the last group's: stepped, they
-        // held registers across the row loop that ptxas spilled.
-        let first = arch::opaque(group) * per_group;
-        let end = (first + per_group).min(rows);
+        let (first, end) = group_rows(group, per_group, rows, true);
         let mut dgamma = [[0.0f32; 8]; VPT];
         let mut dbeta = [[0.0f32; 8]; VPT];
         let mut row = first + index;

@@ -277,6 +277,8 @@ unsafe fn staged_rows<
     team: Team,
 ) {
     let (per_group, rows) = (p.rows_per_group as usize, p.rows as usize);
+    // `rows::group_rows(group, per_group, rows, true)`, spelled out: through that call these
+    // kernels' PTX came out in another register order, which no GPU has run.
     let group_rows = |group: usize| {
         let first = arch::opaque(group) * per_group;
         (first, (first + per_group).min(rows))
