@@ -317,6 +317,7 @@ pub(crate) fn plan(
 mod tests {
     use super::*;
     use normkern_gpu::kernel::Dtype as KernelDtype;
+    use normkern_gpu::norm::STREAM;
 
     use crate::norm::backward::tests::H200;
     use crate::plan::tests::FakeH200;
@@ -441,6 +442,49 @@ mod tests {
             (layer.kernel.name, layer.block),
             ("layer_norm_fwd_bf16_v2", 256)
         );
+    }
+
+    #[test]
+    fn block_tiles_without_a_row_in_flight_take_a_block_per_row() {
+        // (norm, residual, rows, d): the tile, and whether it takes a block per row. On the fake
+        // H200 (64 registers a thread for every v2 tile, 128 for v4) a v2 tile holds 4 blocks of
+        // 256 per SM or one of 1024, v4 one of 512.
+        for (norm, residual, rows, d, vpt, one_shot) in [
+            // No prefetch (RMSNorm's v2, every residual tile): one-shot.
+            (Norm::Rms, false, 16384, 4096, 2, true),
+            (Norm::Rms, true, 4096, 16384, 2, true),
+            (Norm::Layer, true, 16384, 4096, 2, true),
+            // LayerNorm's residual tile copies γ and β into shared memory: alone on its SM it
+            // keeps the walk, which copies them once.
+            (Norm::Layer, true, 4096, 16384, 2, false),
+            // Prefetching tiles: one-shot only with four blocks per SM.
+            (Norm::Layer, false, 16384, 4096, 2, true),
+            (Norm::Rms, false, 4096, 16384, 4, false),
+            (Norm::Layer, false, 4096, 16384, 4, false),
+        ] {
+            let mut c = call(norm, rows, d);
+            if residual {
+                c.key = NormKey::call(norm, true, KernelDtype::Bf16);
+                c.residual = Some([(5 << 20, d, false), (6 << 20, d, false)]);
+            }
+            let launch = plan(&c, &H200).unwrap().unwrap();
+            let key = launch.kernel.key;
+            let what = launch.kernel.name;
+            assert_eq!((key.vpt, key.lanes, launch.cluster), (vpt, 0, 1), "{what}");
+            let walk = rows / (rows.div_ceil(132));
+            let grid = if one_shot { rows } else { walk };
+            assert_eq!(launch.grid, grid, "{what} {rows}x{d}");
+            // A grid limit holds either way.
+            let limited = FakeH200 {
+                grid_limit: Some(7),
+                ..H200
+            };
+            assert_eq!(plan(&c, &limited).unwrap().unwrap().grid, 7, "{what}");
+        }
+        // Streaming rows keep their balanced rounds: 2048 rows over 264 resident blocks.
+        let stream = plan(&call(Norm::Rms, 2048, 32768), &H200).unwrap().unwrap();
+        assert_eq!(stream.kernel.key.vpt, STREAM);
+        assert_eq!(stream.grid, 256);
     }
 
     #[test]

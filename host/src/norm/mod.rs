@@ -45,7 +45,7 @@ use normkern_gpu::kernel::{Dtype as KernelDtype, Kernel, Table};
 use normkern_gpu::norm::segments::SEGMENT_THREADS;
 use normkern_gpu::norm::{
     FORWARD_WALK_ROWS_PER_TEAM, FORWARD_WALK_THREADS, Norm, NormKey, STREAM,
-    forward_one_shot_threads, forward_segments_one_shot,
+    forward_one_shot_threads, forward_segments_one_shot, forward_tile_one_shot,
 };
 
 use crate::error::{Error, Result};
@@ -145,7 +145,8 @@ pub(crate) struct RowLaunch<P: 'static> {
 impl<P: Copy> RowLaunch<P> {
     /// The tile for a row of `d` elements among the compiled ones, and a persistent grid over the
     /// work items (the forward's segment teams: a block per few rows, one a team on the one-shot
-    /// grid, up to `FORWARD_WALK_ROWS_PER_TEAM` on the walk's).
+    /// grid, up to `FORWARD_WALK_ROWS_PER_TEAM` on the walk's; the forward's block tiles that
+    /// `forward_tile_one_shot` picks: a block per row).
     /// `prefetches(vpt)`: whether that register tile keeps the next row in flight.
     // Launch arithmetic on validated sizes and the table's few tiles.
     #[allow(clippy::arithmetic_side_effects)]
@@ -276,6 +277,21 @@ impl<P: Copy> RowLaunch<P> {
                 1,
                 shared_bytes,
             )?)
+        } else if self.forward_row_bytes.is_some()
+            && lanes == 0
+            && cluster == 1
+            && forward_tile_one_shot(
+                centered,
+                base.residual,
+                base.vec,
+                vpt,
+                device.resident_blocks(kernel.entry(), threads, shared_bytes)?
+                    / device.sm_count().max(1),
+            )
+        {
+            // A block per row; a grid limit still holds (the blocks walk the rows by grid
+            // stride).
+            full_grid(device, self.work)
         } else {
             let work = if lanes != 0 && self.items_per_team {
                 self.work.div_ceil(threads / lanes)

@@ -61,6 +61,34 @@ pub const fn forward_segments_one_shot(centered: bool, residual: bool, vpt: usiz
     !centered || residual || vpt >= 4
 }
 
+/// Whether a forward block tile — a block per row, `vpt` accesses per thread, `resident_per_sm`
+/// of its blocks on an SM — takes a one-shot grid (a block per row, finished blocks replaced by
+/// new ones) rather than a persistent grid whose blocks walk the rows. A tile without the next
+/// row in flight loses nothing by ending after its row, and the blocks that start load while
+/// others reduce and store: one-shot measured 2–9 points higher for every such tile (d = 2048–
+/// 16384 at 16 bits, 1024–2048 at 32), except LayerNorm's residual tiles that copy γ and β into
+/// shared memory ([`forward_params_in_shared`]), which then pay that copy per row — with one
+/// block per SM nothing hides it (2 points lower at 4096×16384). A tile that prefetches keeps its
+/// walk unless four or more blocks per SM hide a row's latency instead (plain LayerNorm at
+/// d = 2048 and 4096: 5 and 3 higher); with one or two it measured 5–18 points lower. Streaming
+/// tiles keep their balanced persistent rounds. (Measured on an H100: `bench-results/h200.md`,
+/// fortieth session.)
+pub const fn forward_tile_one_shot(
+    centered: bool,
+    residual: bool,
+    vec: bool,
+    vpt: usize,
+    resident_per_sm: usize,
+) -> bool {
+    if vpt == STREAM {
+        false
+    } else if forward_prefetches(centered, residual, vpt) {
+        resident_per_sm >= 4
+    } else {
+        resident_per_sm >= 2 || !forward_params_in_shared(centered, residual, vec, vpt, 0)
+    }
+}
+
 /// The forward walk's blocks (segment teams where [`forward_segments_one_shot`] is false): this
 /// many threads, each team walking [`FORWARD_WALK_ROWS_PER_TEAM`] rows with the next one in
 /// flight — a grid of `rows / (teams per block · 4)` blocks, finished blocks replaced by new ones
