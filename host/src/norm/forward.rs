@@ -446,9 +446,9 @@ mod tests {
 
     #[test]
     fn block_tiles_without_a_row_in_flight_take_a_block_per_row() {
-        // (norm, residual, rows, d): the tile, and whether it takes a block per row. On the fake
-        // H200 (64 registers a thread for every v2 tile, 128 for v4) a v2 tile holds 4 blocks of
-        // 256 per SM or one of 1024, v4 one of 512.
+        // (norm, residual, rows, d, the tile's accesses per thread, whether it takes a block per
+        // row). On the fake H200 (64 registers a thread for every v2 tile, 128 for v4) a v2 tile
+        // holds 4 blocks of 256 per SM or one of 1024, v4 one of 512.
         for (norm, residual, rows, d, vpt, one_shot) in [
             // No prefetch (RMSNorm's v2, every residual tile): one-shot.
             (Norm::Rms, false, 16384, 4096, 2, true),
