@@ -481,10 +481,24 @@ mod tests {
             };
             assert_eq!(plan(&c, &limited).unwrap().unwrap().grid, 7, "{what}");
         }
-        // Streaming rows keep their balanced rounds: 2048 rows over 264 resident blocks.
-        let stream = plan(&call(Norm::Rms, 2048, 32768), &H200).unwrap().unwrap();
-        assert_eq!(stream.kernel.key.vpt, STREAM);
-        assert_eq!(stream.grid, 256);
+        // Streaming rows of 64 KiB: two 512-thread blocks per SM, a block per row. Rows of
+        // 128 KiB (one 1024-thread block per SM) and the residual forms keep their balanced
+        // rounds: 1024 rows over 132 blocks, 2048 over 132.
+        for (norm, residual, rows, d, grid) in [
+            (Norm::Rms, false, 2048, 32768, 2048),
+            (Norm::Layer, false, 2048, 32768, 2048),
+            (Norm::Rms, false, 1024, 65536, 128),
+            (Norm::Layer, true, 2048, 32768, 128),
+        ] {
+            let mut c = call(norm, rows, d);
+            if residual {
+                c.key = NormKey::call(norm, true, KernelDtype::Bf16);
+                c.residual = Some([(5 << 20, d, false), (6 << 20, d, false)]);
+            }
+            let stream = plan(&c, &H200).unwrap().unwrap();
+            assert_eq!(stream.kernel.key.vpt, STREAM, "{norm:?} {rows}x{d}");
+            assert_eq!(stream.grid, grid, "{norm:?} {residual} {rows}x{d}");
+        }
     }
 
     #[test]

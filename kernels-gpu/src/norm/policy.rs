@@ -70,9 +70,14 @@ pub const fn forward_segments_one_shot(centered: bool, residual: bool, vpt: usiz
 /// shared memory ([`forward_params_in_shared`]), which then pay that copy per row — with one
 /// block per SM nothing hides it (2 points lower at 4096×16384). A tile that prefetches keeps its
 /// walk unless four or more blocks per SM hide a row's latency instead (plain LayerNorm at
-/// d = 2048 and 4096: 5 and 3 higher); with one or two it measured 5–18 points lower. Streaming
-/// tiles keep their balanced persistent rounds. (Measured on an H100: `bench-results/h200.md`,
-/// fortieth session.)
+/// d = 2048 and 4096: 5 and 3 higher); with one or two it measured 5–18 points lower. (Measured
+/// on an H100: `bench-results/h200.md`, fortieth session.) A streaming tile re-reads its row
+/// from L2: plain rows in blocks of which two or more fit an SM ([`forward_stream_threads`]: rows
+/// of up to 64 KiB) go one-shot too, so one block's passes overlap the next one's loads rather
+/// than the persistent rounds ending together (RMSNorm / LayerNorm at 2048×32768, 16 bits: 8.7
+/// and 6.1 points higher); single blocks per SM (128 KiB rows: LayerNorm 1.5 lower) and the
+/// residual forms (LayerNorm's 5 lower at 2048×32768) keep their balanced persistent rounds
+/// (H100, forty-first session).
 pub const fn forward_tile_one_shot(
     centered: bool,
     residual: bool,
@@ -81,7 +86,7 @@ pub const fn forward_tile_one_shot(
     resident_per_sm: usize,
 ) -> bool {
     if vpt == STREAM {
-        false
+        !residual && resident_per_sm >= 2
     } else if forward_prefetches(centered, residual, vpt) {
         resident_per_sm >= 4
     } else {
