@@ -445,7 +445,7 @@ mod tests {
     }
 
     #[test]
-    fn block_tiles_without_a_row_in_flight_take_a_block_per_row() {
+    fn forward_block_tiles_take_a_block_per_row_a_short_walk_or_persistent_rounds() {
         // (norm, residual, rows, d, the tile's accesses per thread, whether it takes a block per
         // row). On the fake H200 (64 registers a thread for every v2 tile, 128 for v4) a v2 tile
         // holds 4 blocks of 256 per SM or one of 1024, v4 one of 512.
@@ -457,9 +457,11 @@ mod tests {
             // LayerNorm's residual tile copies γ and β into shared memory: alone on its SM it
             // keeps the walk, which copies them once.
             (Norm::Layer, true, 4096, 16384, 2, false),
-            // Prefetching tiles: one-shot only with four blocks per SM.
+            // Prefetching tiles: one-shot only with four blocks per SM; RMSNorm's walk 4 rows a
+            // block, LayerNorm's all rows on the persistent grid.
             (Norm::Layer, false, 16384, 4096, 2, true),
             (Norm::Rms, false, 4096, 16384, 4, false),
+            (Norm::Rms, false, 8192, 8192, 4, false),
             (Norm::Layer, false, 4096, 16384, 4, false),
         ] {
             let mut c = call(norm, rows, d);
@@ -471,8 +473,12 @@ mod tests {
             let key = launch.kernel.key;
             let what = launch.kernel.name;
             assert_eq!((key.vpt, key.lanes, launch.cluster), (vpt, 0, 1), "{what}");
-            let walk = rows / (rows.div_ceil(132));
-            let grid = if one_shot { rows } else { walk };
+            let grid = match (one_shot, norm) {
+                (true, _) => rows,
+                (false, Norm::Rms) => rows / 4,
+                // The persistent grid: a block per SM here.
+                (false, Norm::Layer) => rows / rows.div_ceil(132),
+            };
             assert_eq!(launch.grid, grid, "{what} {rows}x{d}");
             // A grid limit holds either way.
             let limited = FakeH200 {
@@ -481,6 +487,10 @@ mod tests {
             };
             assert_eq!(plan(&c, &limited).unwrap().unwrap().grid, 7, "{what}");
         }
+        // A small batch walks no more rows a block than the SMs need: 264 rows of RMSNorm's
+        // prefetching tile (two blocks per SM) take 264 blocks, not 66.
+        let small = plan(&call(Norm::Rms, 264, 8192), &H200).unwrap().unwrap();
+        assert_eq!((small.kernel.key.vpt, small.grid), (4, 264));
         // Streaming rows of 64 KiB: two 512-thread blocks per SM, a block per row. Rows of
         // 128 KiB (one 1024-thread block per SM) and the residual forms keep their balanced
         // rounds: 1024 rows over 132 blocks, 2048 over 132.

@@ -44,8 +44,8 @@ pub use forward::{NormForward, ResidualAdd};
 use normkern_gpu::kernel::{Dtype as KernelDtype, Kernel, Table};
 use normkern_gpu::norm::segments::SEGMENT_THREADS;
 use normkern_gpu::norm::{
-    FORWARD_WALK_ROWS_PER_TEAM, FORWARD_WALK_THREADS, Norm, NormKey, STREAM,
-    forward_one_shot_threads, forward_segments_one_shot, forward_tile_one_shot,
+    FORWARD_WALK_ROWS_PER_TEAM, FORWARD_WALK_THREADS, ForwardTileGrid, Norm, NormKey, STREAM,
+    forward_one_shot_threads, forward_segments_one_shot, forward_tile_grid,
 };
 
 use crate::error::{Error, Result};
@@ -145,8 +145,8 @@ pub(crate) struct RowLaunch<P: 'static> {
 impl<P: Copy> RowLaunch<P> {
     /// The tile for a row of `d` elements among the compiled ones, and a persistent grid over the
     /// work items (the forward's segment teams: a block per few rows, one a team on the one-shot
-    /// grid, up to `FORWARD_WALK_ROWS_PER_TEAM` on the walk's; the forward's block tiles that
-    /// `forward_tile_one_shot` picks: a block per row).
+    /// grid, up to `FORWARD_WALK_ROWS_PER_TEAM` on the walk's; the forward's block tiles: a block
+    /// per row or per few rows where `forward_tile_grid` says so).
     /// `prefetches(vpt)`: whether that register tile keeps the next row in flight.
     // Launch arithmetic on validated sizes and the table's few tiles.
     #[allow(clippy::arithmetic_side_effects)]
@@ -255,43 +255,45 @@ impl<P: Copy> RowLaunch<P> {
             None => threads,
         };
         let shared_bytes = (kernel.shared_bytes)(threads);
-        let grid = if forward_teams.is_some() && one_shot {
-            // A block per `threads / lanes` rows, a team per row: no occupancy query; a grid
-            // limit still holds (the teams walk the rows by grid stride).
-            full_grid(device, self.work.div_ceil(threads / lanes))
-        } else if forward_teams.is_some() {
-            // Teams of `FORWARD_WALK_ROWS_PER_TEAM` rows each, but never fewer blocks than a
-            // team per row would keep resident: a small batch spreads over the SMs, a team per
-            // row, rather than queueing 4 rows in each of a few teams.
-            let teams = threads / lanes;
-            let full = full_grid(
-                device,
-                self.work.div_ceil(teams * FORWARD_WALK_ROWS_PER_TEAM),
-            );
-            let spread = self.work.div_ceil(teams);
-            full.max(persistent_grid(
+        let resident = || {
+            Ok::<_, Error>(
+                device.resident_blocks(kernel.entry(), threads, shared_bytes)?
+                    / device.sm_count().max(1),
+            )
+        };
+        let tile_grid = match self.forward_row_bytes {
+            Some(_) if lanes == 0 && cluster == 1 => {
+                forward_tile_grid(centered, base.residual, base.vec, vpt, resident()?)
+            }
+            _ => ForwardTileGrid::Persistent,
+        };
+        // A walk of `rows_per_block` work items per block (forward segment teams: a team per
+        // item), but never fewer blocks than an item each would keep resident: a small batch
+        // spreads over the SMs rather than queueing several items in each of a few blocks.
+        let walk = |rows_per_block: usize, items_per_block: usize| -> Result<usize> {
+            let full = full_grid(device, self.work.div_ceil(items_per_block * rows_per_block));
+            let spread = self.work.div_ceil(items_per_block);
+            Ok(full.max(persistent_grid(
                 device,
                 kernel.entry(),
                 spread,
                 threads,
                 1,
                 shared_bytes,
-            )?)
-        } else if self.forward_row_bytes.is_some()
-            && lanes == 0
-            && cluster == 1
-            && forward_tile_one_shot(
-                centered,
-                base.residual,
-                base.vec,
-                vpt,
-                device.resident_blocks(kernel.entry(), threads, shared_bytes)?
-                    / device.sm_count().max(1),
-            )
-        {
+            )?))
+        };
+        let grid = if forward_teams.is_some() && one_shot {
+            // A block per `threads / lanes` rows, a team per row: no occupancy query; a grid
+            // limit still holds (the teams walk the rows by grid stride).
+            full_grid(device, self.work.div_ceil(threads / lanes))
+        } else if forward_teams.is_some() {
+            walk(FORWARD_WALK_ROWS_PER_TEAM, threads / lanes)?
+        } else if tile_grid == ForwardTileGrid::OneShot {
             // A block per row; a grid limit still holds (the blocks walk the rows by grid
             // stride).
             full_grid(device, self.work)
+        } else if let ForwardTileGrid::Walk { rows_per_block } = tile_grid {
+            walk(rows_per_block, 1)?
         } else {
             let work = if lanes != 0 && self.items_per_team {
                 self.work.div_ceil(threads / lanes)

@@ -59,9 +59,9 @@ mod tile;
 
 pub use params::{BackwardParams, ForwardParams};
 pub use policy::{
-    FORWARD_ONE_SHOT_BLOCK_BYTES, FORWARD_WALK_ROWS_PER_TEAM, FORWARD_WALK_THREADS, STREAM,
-    forward_fewest_accesses, forward_one_shot_threads, forward_prefetches,
-    forward_segments_one_shot, forward_stream_threads, forward_tile_one_shot,
+    FORWARD_ONE_SHOT_BLOCK_BYTES, FORWARD_WALK_ROWS_PER_TEAM, FORWARD_WALK_THREADS,
+    ForwardTileGrid, STREAM, forward_fewest_accesses, forward_one_shot_threads, forward_prefetches,
+    forward_segments_one_shot, forward_stream_threads, forward_tile_grid,
 };
 pub use staged::STAGES;
 

@@ -61,38 +61,70 @@ pub const fn forward_segments_one_shot(centered: bool, residual: bool, vpt: usiz
     !centered || residual || vpt >= 4
 }
 
-/// Whether a forward block tile — a block per row, `vpt` accesses per thread, `resident_per_sm`
-/// of its blocks on an SM — takes a one-shot grid (a block per row, finished blocks replaced by
-/// new ones) rather than a persistent grid whose blocks walk the rows. A tile without the next
-/// row in flight loses nothing by ending after its row, and the blocks that start load while
-/// others reduce and store: one-shot measured 2–9 points higher for every such tile (d = 2048–
-/// 16384 at 16 bits, 1024–2048 at 32), except LayerNorm's residual tiles that copy γ and β into
-/// shared memory ([`forward_params_in_shared`]), which then pay that copy per row — with one
-/// block per SM nothing hides it (2 points lower at 4096×16384). A tile that prefetches keeps its
-/// walk unless four or more blocks per SM hide a row's latency instead (plain LayerNorm at
-/// d = 2048 and 4096: 5 and 3 higher); with one or two it measured 5–18 points lower. (Measured
-/// on an H100: `bench-results/h200.md`, fortieth session.) A streaming tile re-reads its row
-/// from L2: plain rows in blocks of which two or more fit an SM ([`forward_stream_threads`]: rows
-/// of up to 64 KiB) go one-shot too, so one block's passes overlap the next one's loads rather
-/// than the persistent rounds ending together (RMSNorm / LayerNorm at 2048×32768, 16 bits: 8.7
-/// and 6.1 points higher); single blocks per SM (128 KiB rows: LayerNorm 1.5 lower) and the
-/// residual forms (LayerNorm's 5 lower at 2048×32768) keep their balanced persistent rounds
-/// (H100, forty-first session).
-pub const fn forward_tile_one_shot(
+/// How a forward block tile's grid covers the rows (its blocks walk them by grid stride, so a
+/// grid limit still holds).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ForwardTileGrid {
+    /// A block per row; finished blocks are replaced by new ones.
+    OneShot,
+    /// A block per this many rows (never fewer blocks than fit the SMs at once), each keeping
+    /// its next row in flight.
+    Walk { rows_per_block: usize },
+    /// The resident blocks, walking every row in balanced rounds.
+    Persistent,
+}
+
+/// The grid of a forward block tile — a block per row, `vpt` accesses per thread (or
+/// [`STREAM`]), `resident_per_sm` of its blocks on an SM.
+///
+/// A tile without the next row in flight loses nothing by ending after its row, and the blocks
+/// that start load while others reduce and store: one-shot measured 2–9 points higher for every
+/// such tile (d = 2048–16384 at 16 bits, 1024–2048 at 32), except LayerNorm's residual tiles that
+/// copy γ and β into shared memory ([`forward_params_in_shared`]), which then pay that copy per
+/// row — with one block per SM nothing hides it (2 points lower at 4096×16384).
+///
+/// A tile that prefetches goes one-shot where four or more blocks per SM hide a row's latency
+/// instead (plain LayerNorm at d = 2048 and 4096: 5 and 3 higher); with one or two, one-shot
+/// measured 5–18 points lower (H100, `bench-results/h200.md`, fortieth session). There
+/// RMSNorm's blocks walk [`FORWARD_TILE_WALK_ROWS`] rows each: 3.4–4.1 points higher than the
+/// persistent walk at 8192×8192 and 4096×16384 (16 bits; 2 and 8 rows within a point of 4),
+/// while LayerNorm's lost 1.6–3.3 with 4 rows and keep the persistent walk.
+///
+/// A streaming tile re-reads its row from L2: plain rows in blocks of which two or more fit an
+/// SM ([`forward_stream_threads`]: rows of up to 64 KiB) go one-shot too, so one block's passes
+/// overlap the next one's loads rather than the persistent rounds ending together (RMSNorm /
+/// LayerNorm at 2048×32768, 16 bits: 9.2 and 6.1 points higher, f32 rows at 16384: 8.9); single
+/// blocks per SM (128 KiB rows: LayerNorm 1.5 lower) and the residual forms (LayerNorm's 5 lower
+/// at 2048×32768) keep their balanced rounds (H100, forty-first session).
+pub const fn forward_tile_grid(
     centered: bool,
     residual: bool,
     vec: bool,
     vpt: usize,
     resident_per_sm: usize,
-) -> bool {
-    if vpt == STREAM {
+) -> ForwardTileGrid {
+    let one_shot = if vpt == STREAM {
         !residual && resident_per_sm >= 2
     } else if forward_prefetches(centered, residual, vpt) {
+        if resident_per_sm < 4 && !centered {
+            return ForwardTileGrid::Walk {
+                rows_per_block: FORWARD_TILE_WALK_ROWS,
+            };
+        }
         resident_per_sm >= 4
     } else {
         resident_per_sm >= 2 || !forward_params_in_shared(centered, residual, vec, vpt, 0)
+    };
+    if one_shot {
+        ForwardTileGrid::OneShot
+    } else {
+        ForwardTileGrid::Persistent
     }
 }
+
+/// Rows each block of RMSNorm's prefetching block tile walks where few of its blocks fit an SM
+/// ([`forward_tile_grid`]).
+pub const FORWARD_TILE_WALK_ROWS: usize = 4;
 
 /// The forward walk's blocks (segment teams where [`forward_segments_one_shot`] is false): this
 /// many threads, each team walking [`FORWARD_WALK_ROWS_PER_TEAM`] rows with the next one in
