@@ -255,15 +255,11 @@ impl<P: Copy> RowLaunch<P> {
             None => threads,
         };
         let shared_bytes = (kernel.shared_bytes)(threads);
-        let resident = || {
-            Ok::<_, Error>(
-                device.resident_blocks(kernel.entry(), threads, shared_bytes)?
-                    / device.sm_count().max(1),
-            )
-        };
         let tile_grid = match self.forward_row_bytes {
             Some(_) if lanes == 0 && cluster == 1 => {
-                forward_tile_grid(centered, base.residual, base.vec, vpt, resident()?)
+                let resident = device.resident_blocks(kernel.entry(), threads, shared_bytes)?;
+                let per_sm = resident / device.sm_count().max(1);
+                forward_tile_grid(centered, base.residual, base.vec, vpt, per_sm)
             }
             _ => ForwardTileGrid::Persistent,
         };

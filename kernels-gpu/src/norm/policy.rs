@@ -103,22 +103,27 @@ pub const fn forward_tile_grid(
     vpt: usize,
     resident_per_sm: usize,
 ) -> ForwardTileGrid {
-    let one_shot = if vpt == STREAM {
-        !residual && resident_per_sm >= 2
-    } else if forward_prefetches(centered, residual, vpt) {
-        if resident_per_sm < 4 && !centered {
-            return ForwardTileGrid::Walk {
-                rows_per_block: FORWARD_TILE_WALK_ROWS,
-            };
+    use ForwardTileGrid::{OneShot, Persistent, Walk};
+    if vpt == STREAM {
+        if !residual && resident_per_sm >= 2 {
+            OneShot
+        } else {
+            Persistent
         }
-        resident_per_sm >= 4
+    } else if forward_prefetches(centered, residual, vpt) {
+        if resident_per_sm >= 4 {
+            OneShot
+        } else if centered {
+            Persistent
+        } else {
+            Walk {
+                rows_per_block: FORWARD_TILE_WALK_ROWS,
+            }
+        }
+    } else if resident_per_sm >= 2 || !forward_params_in_shared(centered, residual, vec, vpt, 0) {
+        OneShot
     } else {
-        resident_per_sm >= 2 || !forward_params_in_shared(centered, residual, vec, vpt, 0)
-    };
-    if one_shot {
-        ForwardTileGrid::OneShot
-    } else {
-        ForwardTileGrid::Persistent
+        Persistent
     }
 }
 
