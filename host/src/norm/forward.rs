@@ -342,6 +342,16 @@ mod tests {
         }
     }
 
+    /// [`call`], with a bf16 residual stream when `residual`.
+    fn call_with(norm: Norm, residual: bool, rows: usize, d: usize) -> Call {
+        let mut c = call(norm, rows, d);
+        if residual {
+            c.key = NormKey::call(norm, true, KernelDtype::Bf16);
+            c.residual = Some([(5 << 20, d, false), (6 << 20, d, false)]);
+        }
+        c
+    }
+
     /// The kernel, block and cluster the plan launches for `call` on an H200.
     fn launched(call: &Call) -> (&'static str, usize, usize) {
         let launch = plan(call, &H200).unwrap().unwrap();
@@ -464,11 +474,7 @@ mod tests {
             (Norm::Rms, false, 8192, 8192, 4, false),
             (Norm::Layer, false, 4096, 16384, 4, false),
         ] {
-            let mut c = call(norm, rows, d);
-            if residual {
-                c.key = NormKey::call(norm, true, KernelDtype::Bf16);
-                c.residual = Some([(5 << 20, d, false), (6 << 20, d, false)]);
-            }
+            let c = call_with(norm, residual, rows, d);
             let launch = plan(&c, &H200).unwrap().unwrap();
             let key = launch.kernel.key;
             let what = launch.kernel.name;
@@ -500,12 +506,9 @@ mod tests {
             (Norm::Rms, false, 1024, 65536, 128),
             (Norm::Layer, true, 2048, 32768, 128),
         ] {
-            let mut c = call(norm, rows, d);
-            if residual {
-                c.key = NormKey::call(norm, true, KernelDtype::Bf16);
-                c.residual = Some([(5 << 20, d, false), (6 << 20, d, false)]);
-            }
-            let stream = plan(&c, &H200).unwrap().unwrap();
+            let stream = plan(&call_with(norm, residual, rows, d), &H200)
+                .unwrap()
+                .unwrap();
             assert_eq!(stream.kernel.key.vpt, STREAM, "{norm:?} {rows}x{d}");
             assert_eq!(stream.grid, grid, "{norm:?} {residual} {rows}x{d}");
         }

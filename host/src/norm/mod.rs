@@ -263,12 +263,12 @@ impl<P: Copy> RowLaunch<P> {
             }
             _ => ForwardTileGrid::Persistent,
         };
-        // A walk of `rows_per_block` work items per block (forward segment teams: a team per
-        // item), but never fewer blocks than an item each would keep resident: a small batch
-        // spreads over the SMs rather than queueing several items in each of a few blocks.
-        let walk = |rows_per_block: usize, items_per_block: usize| -> Result<usize> {
-            let full = full_grid(device, self.work.div_ceil(items_per_block * rows_per_block));
-            let spread = self.work.div_ceil(items_per_block);
+        // Walkers (a segment team, or a whole block) of `rows_each` rows, `per_block` of them a
+        // block, but never fewer blocks than a row each would keep resident: a small batch
+        // spreads over the SMs rather than queueing several rows in each of a few walkers.
+        let walk = |rows_each: usize, per_block: usize| -> Result<usize> {
+            let full = full_grid(device, self.work.div_ceil(per_block * rows_each));
+            let spread = self.work.div_ceil(per_block);
             Ok(full.max(persistent_grid(
                 device,
                 kernel.entry(),
@@ -278,25 +278,23 @@ impl<P: Copy> RowLaunch<P> {
                 shared_bytes,
             )?))
         };
-        let grid = if forward_teams.is_some() && one_shot {
+        let grid = match (forward_teams, tile_grid) {
             // A block per `threads / lanes` rows, a team per row: no occupancy query; a grid
             // limit still holds (the teams walk the rows by grid stride).
-            full_grid(device, self.work.div_ceil(threads / lanes))
-        } else if forward_teams.is_some() {
-            walk(FORWARD_WALK_ROWS_PER_TEAM, threads / lanes)?
-        } else if tile_grid == ForwardTileGrid::OneShot {
+            (Some(_), _) if one_shot => full_grid(device, self.work.div_ceil(threads / lanes)),
+            (Some(_), _) => walk(FORWARD_WALK_ROWS_PER_TEAM, threads / lanes)?,
             // A block per row; a grid limit still holds (the blocks walk the rows by grid
             // stride).
-            full_grid(device, self.work)
-        } else if let ForwardTileGrid::Walk { rows_per_block } = tile_grid {
-            walk(rows_per_block, 1)?
-        } else {
-            let work = if lanes != 0 && self.items_per_team {
-                self.work.div_ceil(threads / lanes)
-            } else {
-                self.work
-            };
-            persistent_grid(device, kernel.entry(), work, threads, cluster, shared_bytes)?
+            (None, ForwardTileGrid::OneShot) => full_grid(device, self.work),
+            (None, ForwardTileGrid::Walk { rows_per_block }) => walk(rows_per_block, 1)?,
+            (None, ForwardTileGrid::Persistent) => {
+                let work = if lanes != 0 && self.items_per_team {
+                    self.work.div_ceil(threads / lanes)
+                } else {
+                    self.work
+                };
+                persistent_grid(device, kernel.entry(), work, threads, cluster, shared_bytes)?
+            }
         };
         Ok(Launch {
             kernel,
