@@ -797,15 +797,9 @@ pub(crate) mod tests {
     #[test]
     fn rows_past_the_preferred_block_take_a_tile_that_prefetches() {
         use normkern_gpu::norm::forward_prefetches;
-        // 16384 bf16: RMSNorm's 2-pack tile does not prefetch, its 4-pack tile does.
-        let rms = |vpt| forward_prefetches(false, false, vpt);
-        assert_eq!(pick_with(16384, 8, 8, forward_regs, rms), tile(4, 512, 1));
-        // LayerNorm's both do: the one with more warps.
-        let layer = |vpt| forward_prefetches(true, false, vpt);
-        assert_eq!(
-            pick_with(16384, 8, 8, forward_regs, layer),
-            tile(2, 1024, 1)
-        );
+        // 16384 bf16: the 2-pack tile does not prefetch, the 4-pack tile does.
+        let plain = |vpt| forward_prefetches(false, vpt);
+        assert_eq!(pick_with(16384, 8, 8, forward_regs, plain), tile(4, 512, 1));
         // Neither prefetches (the residual kernels): more warps.
         assert_eq!(pick(16384, 8, 8, forward_regs), tile(2, 1024, 1));
     }

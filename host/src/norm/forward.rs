@@ -307,9 +307,7 @@ pub(crate) fn plan(
         forward_row_bytes: Some(d.saturating_mul(row_bytes_per_element)),
         params,
     }
-    .plan(device, |vpt| {
-        forward_prefetches(centered, key.residual, vpt)
-    })?;
+    .plan(device, |vpt| forward_prefetches(key.residual, vpt))?;
     Ok(Some(launch))
 }
 
@@ -460,16 +458,16 @@ mod tests {
         // row). On the fake H200 (64 registers a thread for every v2 tile, 128 for v4) a v2 tile
         // holds 4 blocks of 256 per SM or one of 1024, v4 one of 512.
         for (norm, residual, rows, d, vpt, one_shot) in [
-            // No prefetch (RMSNorm's v2, every residual tile): one-shot.
+            // No prefetch (every v2 tile, every residual tile): one-shot.
             (Norm::Rms, false, 16384, 4096, 2, true),
+            (Norm::Layer, false, 16384, 4096, 2, true),
             (Norm::Rms, true, 4096, 16384, 2, true),
             (Norm::Layer, true, 16384, 4096, 2, true),
             // LayerNorm's residual tile copies γ and β into shared memory: alone on its SM it
             // keeps the walk, which copies them once.
             (Norm::Layer, true, 4096, 16384, 2, false),
-            // Prefetching tiles: one-shot only with four blocks per SM; RMSNorm's walk 4 rows a
-            // block, LayerNorm's all rows on the persistent grid.
-            (Norm::Layer, false, 16384, 4096, 2, true),
+            // Prefetching tiles (v4), one-shot only with four blocks per SM: RMSNorm's walk 4
+            // rows a block, LayerNorm's all rows on the persistent grid.
             (Norm::Rms, false, 4096, 16384, 4, false),
             (Norm::Rms, false, 8192, 8192, 4, false),
             (Norm::Layer, false, 4096, 16384, 4, false),

@@ -153,8 +153,7 @@ pub(super) unsafe fn forward_regs<
     // A segment team's accesses are few: it has the registers for the next row, but on the
     // one-shot grid it has one row and nothing to prefetch.
     let one_shot = team.lanes != 0 && forward_segments_one_shot(N::CENTERED, S::WIDE, VPT);
-    let prefetch = !one_shot
-        && (forward_prefetches(N::CENTERED, S::WIDE, VPT) || (team.lanes != 0 && !S::WIDE));
+    let prefetch = !one_shot && (forward_prefetches(S::WIDE, VPT) || (team.lanes != 0 && !S::WIDE));
     let mut next = if prefetch && row < rows {
         load_row(row)
     } else {
@@ -188,6 +187,14 @@ pub(super) unsafe fn forward_regs<
         for k in 0..VPT {
             if elem(k) < d {
                 unsafe { src.emit(&src_row, elem(k), &x[k]) };
+                // A block tile's γ/β offsets through `arch::opaque`: else LLVM hoists their
+                // addresses (every access, both storage forms, 64 bits each) out of the row loop
+                // and holds them across the reductions.
+                let at = if team.lanes == 0 {
+                    arch::opaque(elem(k))
+                } else {
+                    elem(k)
+                };
                 let (gamma, beta) = if in_shared {
                     let beta = if has_beta {
                         unsafe { slots.kept(1, k) }
@@ -197,9 +204,9 @@ pub(super) unsafe fn forward_regs<
                     (unsafe { slots.kept(0, k) }, beta)
                 } else {
                     let gamma =
-                        unsafe { param::<T, VEC>(p.gamma, elem(k), p.params_f32, p.gamma_offset) };
+                        unsafe { param::<T, VEC>(p.gamma, at, p.params_f32, p.gamma_offset) };
                     let beta = if has_beta {
-                        unsafe { param::<T, VEC>(p.beta, elem(k), p.params_f32, 0.0) }
+                        unsafe { param::<T, VEC>(p.beta, at, p.params_f32, 0.0) }
                     } else {
                         [0.0; 8]
                     };

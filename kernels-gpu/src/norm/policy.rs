@@ -15,19 +15,21 @@ use crate::reduce::ROW_REDUCER_SHARED_WORDS;
 /// instead of held in registers.
 pub const STREAM: usize = 0;
 
-/// Whether a forward register tile (`vpt` ≥ 1) loads the next row before reducing this one.
-/// RMSNorm does in the widest tile only: for narrower ones the extra registers cost a resident
-/// block per SM, which hid more latency than the prefetch. LayerNorm waits for two reductions per
-/// row, so it prefetches from 2 packs on. The residual families hold f32 rows: no room.
-pub const fn forward_prefetches(centered: bool, residual: bool, vpt: usize) -> bool {
-    !residual && (vpt >= 4 || (centered && vpt >= 2))
+/// Whether a forward register tile (`vpt` ≥ 1) loads the next row before reducing this one: the
+/// 4-pack tiles only, whose blocks are few per SM. The narrower tiles' blocks fit four or more
+/// per SM, a row each ([`forward_tile_grid`]): there the next row's registers cost resident
+/// blocks, which hide the latency instead (LayerNorm's 2-pack tile without it: 4.7–5.0 points
+/// higher at 32768×2048 and 16384×4096, 16 bits; H100, `bench-results/h200.md`, forty-third
+/// session). The residual families hold f32 rows: no room.
+pub const fn forward_prefetches(residual: bool, vpt: usize) -> bool {
+    !residual && vpt >= 4
 }
 
 /// The fewest accesses per thread of a forward register tile. Plain LayerNorm's one-access tile
 /// (the block tile of d = 1025..2048 at 16 bits) is issue-bound: two block reductions, γ and β
-/// and the row's bookkeeping for each thread's one 16-byte access, and no prefetch. Its two-access
-/// tile at half the threads prefetches and spreads that cost over twice the bytes: 2 (measured
-/// at 16 bits; the same rule moves f32 rows of 513..1024 and single-element rows of 129..256 to
+/// and the row's bookkeeping for each thread's one 16-byte access. Its two-access tile at half the
+/// threads spreads that cost over twice the bytes: 2 (measured at 16 bits, when that tile still
+/// prefetched the next row — [`forward_prefetches`] —; the same rule moves f32 rows of 513..1024 and single-element rows of 129..256 to
 /// two accesses, not measured). RMSNorm and the residual families keep the one-access tile (their
 /// two-access tiles measured 0–4 points lower at 32768×2048; `bench-results/h200.md`, twentieth
 /// session).
@@ -84,7 +86,8 @@ pub enum ForwardTileGrid {
 /// row — with one block per SM nothing hides it (2 points lower at 4096×16384).
 ///
 /// A tile that prefetches goes one-shot where four or more blocks per SM hide a row's latency
-/// instead (plain LayerNorm at d = 2048 and 4096: 5 and 3 higher); with one or two, one-shot
+/// instead (plain LayerNorm's 2-pack tile at d = 2048 and 4096, when it prefetched: 5 and 3
+/// higher; f32 rows of 4-pack tiles take such a grid at d ≤ 2048); with one or two, one-shot
 /// measured 5–18 points lower (H100, `bench-results/h200.md`, fortieth session). There
 /// RMSNorm's blocks walk [`FORWARD_TILE_WALK_ROWS`] rows each: 3.4–4.1 points higher than the
 /// persistent walk at 8192×8192 and 4096×16384 (16 bits; 2 and 8 rows within a point of 4),
@@ -110,7 +113,7 @@ pub const fn forward_tile_grid(
         } else {
             Persistent
         }
-    } else if forward_prefetches(centered, residual, vpt) {
+    } else if forward_prefetches(residual, vpt) {
         if resident_per_sm >= 4 {
             OneShot
         } else if centered {
@@ -436,7 +439,7 @@ const fn staged_instance(key: NormKey) -> bool {
 
 /// LayerNorm's plain 2-pack block tile, the one instance whose natural register allocation
 /// costs a resident block (an SM has 65536 registers: 256-thread blocks fit two at up to 128,
-/// four at up to 64) and which fits the smaller budget without spilling.
+/// four at up to 64, five at up to 48) and which fits the smaller budget without spilling.
 const fn layer_norm_two_packs(key: NormKey) -> bool {
     layer_norm_block_tile(key, false) && key.vpt == 2
 }
@@ -454,14 +457,16 @@ const fn layer_norm_block_tile(key: NormKey, residual: bool) -> bool {
 
 /// Registers per thread of a forward instance (0: ptxas's choice). LayerNorm's block tiles wait
 /// on two reductions per row, so resident warps are what hides their loads. The plain 2-pack tile
-/// prefetches the next row and takes 72 registers for sm_90; 64 keep four 256-thread blocks
-/// resident without spills (56 spill). The residual tiles hold the row as f32 (the stream may be
+/// takes 48 registers for sm_90 by ptxas's own choice (72 while it prefetched the next row, when
+/// its budget was 64): five 256-thread blocks resident; the budget keeps it there (40 keep six
+/// without spills: 0.8 points higher at d = 4096, 0.8 lower at 2048; H100, forty-third
+/// session). The residual tiles hold the row as f32 (the stream may be
 /// f32): ptxas's own choice gave the 2-pack tile 93 (two blocks) and the 4-pack 168 (one block of
 /// 256 threads, none of 512); 64 and 128 keep four and two without spills.
 /// Their cluster instances spill at 128 and keep ptxas's choice. The streaming block instances: 64.
 pub const fn forward_register_budget(key: NormKey) -> u32 {
     if layer_norm_two_packs(key) {
-        64
+        48
     } else if layer_norm_block_tile(key, true) {
         match key.vpt {
             2 => 64,
