@@ -16,23 +16,23 @@ use crate::reduce::ROW_REDUCER_SHARED_WORDS;
 pub const STREAM: usize = 0;
 
 /// Whether a forward register tile (`vpt` ≥ 1) loads the next row before reducing this one: the
-/// 4-pack tiles only, whose blocks are few per SM. The narrower tiles' blocks fit four or more
-/// per SM, a row each ([`forward_tile_grid`]): there the next row's registers cost resident
-/// blocks, which hide the latency instead (LayerNorm's 2-pack tile without it: 4.7–5.0 points
-/// higher at 32768×2048 and 16384×4096, 16 bits; H100, `bench-results/h200.md`, forty-third
-/// session). The residual families hold f32 rows: no room.
+/// 4-pack tiles only (at 16 bits, rows wider than 4096: few of their blocks fit an SM). The
+/// narrower tiles' blocks fit four or more per SM, a row each ([`forward_tile_grid`]): there the
+/// next row's registers cost resident blocks, which hide the latency instead (LayerNorm's 2-pack
+/// tile without it: 4.7–5.0 points higher at 32768×2048 and 16384×4096, 16 bits; H100,
+/// `bench-results/h200.md`, forty-third session). The residual families hold f32 rows: no room.
 pub const fn forward_prefetches(residual: bool, vpt: usize) -> bool {
     !residual && vpt >= 4
 }
 
 /// The fewest accesses per thread of a forward register tile. Plain LayerNorm's one-access tile
-/// (the block tile of d = 1025..2048 at 16 bits) is issue-bound: two block reductions, γ and β
-/// and the row's bookkeeping for each thread's one 16-byte access. Its two-access tile at half the
+/// (the block tile of d = 1025..2048 at 16 bits) is issue-bound: two block reductions, γ and β and
+/// the row's bookkeeping for each thread's one 16-byte access. Its two-access tile at half the
 /// threads spreads that cost over twice the bytes: 2 (measured at 16 bits, when that tile still
-/// prefetched the next row — [`forward_prefetches`] —; the same rule moves f32 rows of 513..1024 and single-element rows of 129..256 to
-/// two accesses, not measured). RMSNorm and the residual families keep the one-access tile (their
-/// two-access tiles measured 0–4 points lower at 32768×2048; `bench-results/h200.md`, twentieth
-/// session).
+/// prefetched the next row, see [`forward_prefetches`]; the same rule moves f32 rows of 513..1024
+/// and single-element rows of 129..256 to two accesses, not measured). RMSNorm and the residual
+/// families keep the one-access tile (their two-access tiles measured 0–4 points lower at
+/// 32768×2048; `bench-results/h200.md`, twentieth session).
 pub const fn forward_fewest_accesses(centered: bool, residual: bool) -> usize {
     if centered && !residual { 2 } else { 1 }
 }
@@ -76,29 +76,28 @@ pub enum ForwardTileGrid {
     Persistent,
 }
 
-/// The grid of a forward block tile — a block per row, `vpt` accesses per thread (or
-/// [`STREAM`]), `resident_per_sm` of its blocks on an SM.
+/// The grid of a forward block tile — a block per row, `vpt` accesses per thread (or [`STREAM`]),
+/// `resident_per_sm` of its blocks on an SM.
 ///
-/// A tile without the next row in flight loses nothing by ending after its row, and the blocks
-/// that start load while others reduce and store: one-shot measured 2–9 points higher for every
-/// such tile (d = 2048–16384 at 16 bits, 1024–2048 at 32), except LayerNorm's residual tiles that
-/// copy γ and β into shared memory ([`forward_params_in_shared`]), which then pay that copy per
-/// row — with one block per SM nothing hides it (2 points lower at 4096×16384).
+/// A tile without the next row in flight loses nothing by ending after its row, and the blocks that
+/// start load while others reduce and store: one-shot measured 2–9 points higher for every such
+/// tile (d = 2048–16384 at 16 bits, 1024–2048 at 32), except LayerNorm's residual tiles that copy γ
+/// and β into shared memory ([`forward_params_in_shared`]), which then pay that copy per row — with
+/// one block per SM nothing hides it (2 points lower at 4096×16384).
 ///
 /// A tile that prefetches goes one-shot where four or more blocks per SM hide a row's latency
 /// instead (plain LayerNorm's 2-pack tile at d = 2048 and 4096, when it prefetched: 5 and 3
-/// higher; f32 rows of 4-pack tiles take such a grid at d ≤ 2048); with one or two, one-shot
-/// measured 5–18 points lower (H100, `bench-results/h200.md`, fortieth session). There
-/// RMSNorm's blocks walk [`FORWARD_TILE_WALK_ROWS`] rows each: 3.4–4.1 points higher than the
-/// persistent walk at 8192×8192 and 4096×16384 (16 bits; 2 and 8 rows within a point of 4),
-/// while LayerNorm's lost 1.6–3.3 with 4 rows and keep the persistent walk.
+/// higher); with one or two, one-shot measured 5–18 points lower (H100, `bench-results/h200.md`,
+/// fortieth session). There RMSNorm's blocks walk [`FORWARD_TILE_WALK_ROWS`] rows each: 3.4–4.1
+/// points higher than the persistent walk at 8192×8192 and 4096×16384 (16 bits; 2 and 8 rows within
+/// a point of 4), while LayerNorm's lost 1.6–3.3 with 4 rows and keep the persistent walk.
 ///
-/// A streaming tile re-reads its row from L2: plain rows in blocks of which two or more fit an
-/// SM ([`forward_stream_threads`]: rows of up to 64 KiB) go one-shot too, so one block's passes
+/// A streaming tile re-reads its row from L2: plain rows in blocks of which two or more fit an SM
+/// ([`forward_stream_threads`]: rows of up to 64 KiB) go one-shot too, so one block's passes
 /// overlap the next one's loads rather than the persistent rounds ending together (RMSNorm /
 /// LayerNorm at 2048×32768, 16 bits: 9.2 and 6.1 points higher, f32 rows at 16384: 8.9); single
-/// blocks per SM (128 KiB rows: LayerNorm 1.5 lower) and the residual forms (LayerNorm's 5 lower
-/// at 2048×32768) keep their balanced rounds (H100, forty-first session).
+/// blocks per SM (128 KiB rows: LayerNorm 1.5 lower) and the residual forms (LayerNorm's 5 lower at
+/// 2048×32768) keep their balanced rounds (H100, forty-first session).
 pub const fn forward_tile_grid(
     centered: bool,
     residual: bool,
@@ -460,9 +459,9 @@ const fn layer_norm_block_tile(key: NormKey, residual: bool) -> bool {
 /// takes 48 registers for sm_90 by ptxas's own choice (72 while it prefetched the next row, when
 /// its budget was 64): five 256-thread blocks resident; the budget keeps it there (40 keep six
 /// without spills: 0.8 points higher at d = 4096, 0.8 lower at 2048; H100, forty-third
-/// session). The residual tiles hold the row as f32 (the stream may be
-/// f32): ptxas's own choice gave the 2-pack tile 93 (two blocks) and the 4-pack 168 (one block of
-/// 256 threads, none of 512); 64 and 128 keep four and two without spills.
+/// session). The residual tiles hold the row as f32 (the stream may be f32): ptxas's own choice
+/// gave the 2-pack tile 93 (two blocks) and the 4-pack 168 (one block of 256 threads, none of
+/// 512); 64 and 128 keep four and two without spills.
 /// Their cluster instances spill at 128 and keep ptxas's choice. The streaming block instances: 64.
 pub const fn forward_register_budget(key: NormKey) -> u32 {
     if layer_norm_two_packs(key) {
