@@ -187,14 +187,6 @@ pub(super) unsafe fn forward_regs<
         for k in 0..VPT {
             if elem(k) < d {
                 unsafe { src.emit(&src_row, elem(k), &x[k]) };
-                // A block tile's γ/β offsets through `arch::opaque`: else LLVM hoists their
-                // addresses (every access, both storage forms, 64 bits each) out of the row loop
-                // and holds them across the reductions.
-                let at = if team.lanes == 0 {
-                    arch::opaque(elem(k))
-                } else {
-                    elem(k)
-                };
                 let (gamma, beta) = if in_shared {
                     let beta = if has_beta {
                         unsafe { slots.kept(1, k) }
@@ -203,6 +195,14 @@ pub(super) unsafe fn forward_regs<
                     };
                     (unsafe { slots.kept(0, k) }, beta)
                 } else {
+                    // A block tile's γ/β offsets through `arch::opaque`: else LLVM hoists their
+                    // addresses (every access, both storage forms, 64 bits each) out of the row
+                    // loop and holds them across the reductions.
+                    let at = if team.lanes == 0 {
+                        arch::opaque(elem(k))
+                    } else {
+                        elem(k)
+                    };
                     let gamma =
                         unsafe { param::<T, VEC>(p.gamma, at, p.params_f32, p.gamma_offset) };
                     let beta = if has_beta {
