@@ -79,11 +79,11 @@ pub struct RowTile {
 /// Picks the tile for a row of `d` elements read `len` at a time among the compiled register
 /// tiles `register_tiles` (ascending) and the streaming one. `max_threads(vpt, cluster)` is the
 /// most threads a block of that kernel may have, or `None` when no such kernel is compiled. In
-/// order: one block of up to [`PREFERRED_THREADS`]; one block of up to the kernel's limit, tiles
-/// that `prefetch` the next row first; the smallest cluster of `cluster_sizes` (ascending, up
-/// to `max_cluster` blocks) whose blocks need at most [`PREFERRED_THREADS`] (fewest accesses per
-/// thread first), then at most the kernel's limit; else streaming, in blocks of at most `stream_threads`, by a cluster of
-/// `max_cluster` blocks. The choice depends on the shape, the device and the kernels' register
+/// order: one block of up to [`PREFERRED_THREADS`]; one block of up to the kernel's limit, the
+/// tiles for which `wide_first(vpt)` holds first; the smallest cluster of `cluster_sizes`
+/// (ascending, up to `max_cluster` blocks) whose blocks need at most [`PREFERRED_THREADS`] (fewest
+/// accesses per thread first), then at most the kernel's limit; else streaming, in blocks of at
+/// most `stream_threads`, by a cluster of `max_cluster` blocks. The choice depends on the shape, the device and the kernels' register
 /// counts only, never on the grid, so reductions keep their order.
 pub(crate) fn row_tile(
     d: usize,
@@ -92,7 +92,7 @@ pub(crate) fn row_tile(
     (cluster_sizes, max_cluster): (&[usize], usize),
     stream_threads: usize,
     max_threads: impl Fn(usize, bool) -> Result<Option<usize>>,
-    prefetches: impl Fn(usize) -> bool,
+    wide_first: impl Fn(usize) -> bool,
 ) -> Result<RowTile> {
     let accesses = d.div_ceil(len);
     let threads_for = |vpt: usize, cluster: usize| {
@@ -103,12 +103,12 @@ pub(crate) fn row_tile(
     };
     let clusters = cluster_sizes.iter().copied().filter(|&c| c <= max_cluster);
     // (vpt, cluster, within the preferred size), in order of preference.
-    // Past the preferred size a block fills the SM alone: the tiles that keep the next row in
-    // flight first (a block that waits for its row with nothing else to do idles the SM).
-    let prefetches = &prefetches;
-    let larger_blocks = [true, false].into_iter().flat_map(|prefetching| {
+    // Past the preferred size few blocks fill an SM: which tile keeps the most resident or hides
+    // a row's latency best is the kernel family's call (`wide_first`).
+    let wide_first = &wide_first;
+    let larger_blocks = [true, false].into_iter().flat_map(|first| {
         (register_tiles.iter().skip(1))
-            .filter(move |&&vpt| prefetches(vpt) == prefetching)
+            .filter(move |&&vpt| wide_first(vpt) == first)
             .map(|&vpt| (vpt, 1, false))
     });
     let one_block = (register_tiles.iter().map(|&vpt| (vpt, 1, true))).chain(larger_blocks);
@@ -735,13 +735,14 @@ pub(crate) mod tests {
         pick_with(d, len, max_cluster, regs, |_| false)
     }
 
-    /// [`pick`] for kernels whose tiles of `vpt` accesses prefetch as `prefetches` says.
+    /// [`pick`] for kernels whose blocks past the preferred size try the tiles of `wide_first`
+    /// first.
     fn pick_with(
         d: usize,
         len: usize,
         max_cluster: usize,
         regs: fn(usize, bool) -> usize,
-        prefetches: fn(usize) -> bool,
+        wide_first: fn(usize) -> bool,
     ) -> RowTile {
         let max_threads = |vpt, cluster| Ok(Some((65536 / regs(vpt, cluster)).min(1024) / 32 * 32));
         row_tile(
@@ -751,7 +752,7 @@ pub(crate) mod tests {
             (CLUSTER_SIZES, max_cluster),
             STREAM_THREADS,
             max_threads,
-            prefetches,
+            wide_first,
         )
         .unwrap()
     }
@@ -795,13 +796,17 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn rows_past_the_preferred_block_take_a_tile_that_prefetches() {
-        use normkern_gpu::norm::forward_prefetches;
-        // 16384 bf16: the 2-pack tile does not prefetch, the 4-pack tile does.
-        let plain = |vpt| forward_prefetches(false, vpt);
+    fn rows_past_the_preferred_block_take_the_family_s_wide_tile_first() {
+        use normkern_gpu::norm::forward_wide_block_first;
+        // 16384 bf16: plain rows take the 4-pack tile, two 512-thread blocks per SM.
+        let plain = |vpt| forward_wide_block_first(false, vpt);
         assert_eq!(pick_with(16384, 8, 8, forward_regs, plain), tile(4, 512, 1));
-        // Neither prefetches (the residual kernels): more warps.
-        assert_eq!(pick(16384, 8, 8, forward_regs), tile(2, 1024, 1));
+        // The residual kernels: the fewest accesses, more warps.
+        let residual = |vpt| forward_wide_block_first(true, vpt);
+        assert_eq!(
+            pick_with(16384, 8, 8, forward_regs, residual),
+            tile(2, 1024, 1)
+        );
     }
 
     #[test]

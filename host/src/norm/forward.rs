@@ -1,8 +1,8 @@
 //! The norm forward: its arguments, validation and launch plan.
 
 use normkern_gpu::norm::{
-    FORWARD, ForwardParams, Norm, NormKey, forward_fewest_accesses, forward_prefetches,
-    forward_stream_threads,
+    FORWARD, ForwardParams, Norm, NormKey, forward_clusters, forward_fewest_accesses,
+    forward_stream_threads, forward_wide_block_first,
 };
 
 use super::{RowLaunch, check_config, inv, params_f32, stored_f32, stride_in_elems};
@@ -294,9 +294,11 @@ pub(crate) fn plan(
         key,
         d,
         work: rows,
-        // Forward rows are independent: with a row per SM or more, a block per row streaming
-        // from L2 outruns a cluster per row.
-        cluster_sizes: if rows < device.sm_count() {
+        cluster_sizes: if forward_clusters(
+            centered,
+            rows < device.sm_count(),
+            d.saturating_mul(bytes),
+        ) {
             CLUSTER_SIZES
         } else {
             &[]
@@ -307,7 +309,7 @@ pub(crate) fn plan(
         forward_row_bytes: Some(d.saturating_mul(row_bytes_per_element)),
         params,
     }
-    .plan(device, |vpt| forward_prefetches(key.residual, vpt))?;
+    .plan(device, |vpt| forward_wide_block_first(key.residual, vpt))?;
     Ok(Some(launch))
 }
 
@@ -440,7 +442,7 @@ mod tests {
     }
 
     #[test]
-    fn rows_past_the_preferred_block_take_a_tile_that_prefetches() {
+    fn rows_past_the_preferred_block_take_the_4_pack_tile() {
         let rms = plan(&call(Norm::Rms, 4096, 16384), &H200).unwrap().unwrap();
         assert_eq!((rms.kernel.name, rms.block), ("rms_norm_fwd_bf16_v4", 512));
         let layer = plan(&call(Norm::Layer, 16384, 4096), &H200)
@@ -453,36 +455,34 @@ mod tests {
     }
 
     #[test]
-    fn forward_block_tiles_take_a_block_per_row_a_short_walk_or_persistent_rounds() {
-        // (norm, residual, rows, d, the tile's accesses per thread, whether it takes a block per
-        // row). On the fake H200 (64 registers a thread for every v2 tile, 128 for v4) a v2 tile
-        // holds 4 blocks of 256 per SM or one of 1024, v4 one of 512.
-        for (norm, residual, rows, d, vpt, one_shot) in [
-            // No prefetch (every v2 tile, every residual tile): one-shot.
-            (Norm::Rms, false, 16384, 4096, 2, true),
-            (Norm::Layer, false, 16384, 4096, 2, true),
-            (Norm::Rms, true, 4096, 16384, 2, true),
-            (Norm::Layer, true, 16384, 4096, 2, true),
+    fn forward_block_tiles_take_a_block_per_row_or_persistent_rounds() {
+        // (norm, residual, rows, d, the tile's accesses per thread, its grid: a block per row, or
+        // the resident blocks' balanced rounds). On the fake H200 (64 registers a thread for every v2 tile and RMSNorm's plain v4,
+        // 128 for the other v4) a v2 tile holds 4 blocks of 256 per SM or one of 1024, RMSNorm's
+        // v4 four of 256, two of 512 or one of 1024, the other v4 one of 512.
+        for (norm, residual, rows, d, vpt, grid) in [
+            // No prefetch (every tile but LayerNorm's plain v4): one-shot.
+            (Norm::Rms, false, 16384, 4096, 2, 16384),
+            (Norm::Layer, false, 16384, 4096, 2, 16384),
+            (Norm::Rms, true, 4096, 16384, 2, 4096),
+            (Norm::Layer, true, 16384, 4096, 2, 16384),
+            (Norm::Rms, false, 8192, 8192, 4, 8192),
+            (Norm::Rms, false, 4096, 16384, 4, 4096),
+            // A 1024-thread block alone on its SM, still one-shot: its row (64 KiB) is read once.
+            (Norm::Rms, false, 2048, 32768, 4, 2048),
             // LayerNorm's residual tile copies γ and β into shared memory: alone on its SM it
             // keeps the walk, which copies them once.
-            (Norm::Layer, true, 4096, 16384, 2, false),
-            // Prefetching tiles (v4), one-shot only with four blocks per SM: RMSNorm's walk 4
-            // rows a block, LayerNorm's all rows on the persistent grid.
-            (Norm::Rms, false, 4096, 16384, 4, false),
-            (Norm::Rms, false, 8192, 8192, 4, false),
-            (Norm::Layer, false, 4096, 16384, 4, false),
+            (Norm::Layer, true, 4096, 16384, 2, 128),
+            // LayerNorm's plain v4 prefetches: one-shot only with four blocks per SM (two of 256
+            // here, one of 512).
+            (Norm::Layer, false, 8192, 8192, 4, 256),
+            (Norm::Layer, false, 4096, 16384, 4, 128),
         ] {
             let c = call_with(norm, residual, rows, d);
             let launch = plan(&c, &H200).unwrap().unwrap();
             let key = launch.kernel.key;
             let what = launch.kernel.name;
             assert_eq!((key.vpt, key.lanes, launch.cluster), (vpt, 0, 1), "{what}");
-            let grid = match (one_shot, norm) {
-                (true, _) => rows,
-                (false, Norm::Rms) => rows / 4,
-                // The persistent grid: a block per SM here.
-                (false, Norm::Layer) => rows / rows.div_ceil(132),
-            };
             assert_eq!(launch.grid, grid, "{what} {rows}x{d}");
             // A grid limit holds either way.
             let limited = FakeH200 {
@@ -491,17 +491,12 @@ mod tests {
             };
             assert_eq!(plan(&c, &limited).unwrap().unwrap().grid, 7, "{what}");
         }
-        // A small batch walks no more rows a block than the SMs need: 264 rows of RMSNorm's
-        // prefetching tile (two blocks per SM) take 264 blocks, not 66.
-        let small = plan(&call(Norm::Rms, 264, 8192), &H200).unwrap().unwrap();
-        assert_eq!((small.kernel.key.vpt, small.grid), (4, 264));
         // Streaming rows of 64 KiB: two 512-thread blocks per SM, a block per row. Rows of
         // 128 KiB (one 1024-thread block per SM) and the residual forms keep their balanced
-        // rounds: 1024 rows over 132 blocks, 2048 over 132.
+        // rounds: 1024 rows over 128 blocks, 2048 over 128.
         for (norm, residual, rows, d, grid) in [
-            (Norm::Rms, false, 2048, 32768, 2048),
             (Norm::Layer, false, 2048, 32768, 2048),
-            (Norm::Rms, false, 1024, 65536, 128),
+            (Norm::Layer, false, 1024, 65536, 128),
             (Norm::Layer, true, 2048, 32768, 128),
         ] {
             let stream = plan(&call_with(norm, residual, rows, d), &H200)
@@ -521,25 +516,37 @@ mod tests {
     }
 
     #[test]
-    fn few_wide_rows_are_split_over_clusters_many_are_not() {
+    fn few_wide_rows_and_rms_norm_s_widest_are_split_over_clusters() {
         let few = plan(&call(Norm::Rms, 64, 65536), &H200).unwrap().unwrap();
         let tile = (few.kernel.name, few.block, few.cluster);
         assert_eq!(tile, ("rms_norm_fwd_bf16_v4c", 256, 8));
-        let many = plan(&call(Norm::Rms, 1024, 65536), &H200).unwrap().unwrap();
+        // Many rows: LayerNorm's stream from L2, a block each.
+        let many = plan(&call(Norm::Layer, 1024, 65536), &H200)
+            .unwrap()
+            .unwrap();
         assert_eq!(
             (many.kernel.name, many.cluster),
-            ("rms_norm_fwd_bf16_vx", 1)
+            ("layer_norm_fwd_bf16_vx", 1)
         );
+        // RMSNorm's rows past a block's registers (more than 64 KiB) keep the cluster, plain or
+        // with the residual; 64 KiB rows fit a block.
+        let many = plan(&call(Norm::Rms, 1024, 65536), &H200).unwrap().unwrap();
+        let tile = (many.kernel.name, many.block, many.cluster);
+        assert_eq!(tile, ("rms_norm_fwd_bf16_v4c", 256, 8));
+        let mut residual = call(Norm::Rms, 1024, 65536);
+        residual.key.residual = true;
+        residual.residual = Some([(5 << 20, 65536, false), (6 << 20, 65536, false)]);
+        assert_eq!(launched(&residual).2, 8);
+        assert_eq!(launched(&call(Norm::Rms, 2048, 32768)).2, 1);
     }
 
     #[test]
     fn plain_streamed_rows_of_up_to_64_kib_take_two_blocks_per_sm() {
+        let (name, block, cluster) = launched(&call(Norm::Layer, 2048, 32768));
+        assert_eq!((name, block, cluster), ("layer_norm_fwd_bf16_vx", 512, 1));
+        // 128 KiB rows, and the residual forms, keep one block of 1024 threads per SM.
+        assert_eq!(launched(&call(Norm::Layer, 1024, 65536)).1, 1024);
         for norm in [Norm::Rms, Norm::Layer] {
-            let (name, block, cluster) = launched(&call(norm, 2048, 32768));
-            assert!(name.ends_with("_bf16_vx"), "{name}");
-            assert_eq!((block, cluster), (512, 1));
-            // 128 KiB rows, and the residual forms, keep one block of 1024 threads per SM.
-            assert_eq!(launched(&call(norm, 1024, 65536)).1, 1024);
             let mut residual = call(norm, 2048, 32768);
             residual.key.residual = true;
             residual.residual = Some([(5 << 20, 32768, false), (6 << 20, 32768, false)]);
@@ -548,9 +555,9 @@ mod tests {
             assert_eq!(block, 1024);
         }
         // Bytes decide, not elements: f32 rows of 16384 are 64 KiB.
-        let mut f32_rows = call(Norm::Rms, 4096, 16384);
+        let mut f32_rows = call(Norm::Layer, 4096, 16384);
         f32_rows.key.dtype = KernelDtype::F32;
-        assert_eq!(launched(&f32_rows), ("rms_norm_fwd_f32_vx", 512, 1));
+        assert_eq!(launched(&f32_rows), ("layer_norm_fwd_f32_vx", 512, 1));
     }
 
     #[test]

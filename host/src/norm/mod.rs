@@ -146,14 +146,14 @@ impl<P: Copy> RowLaunch<P> {
     /// The tile for a row of `d` elements among the compiled ones, and a persistent grid over the
     /// work items (the forward's segment teams: a block per few rows, one a team on the one-shot
     /// grid, up to `FORWARD_WALK_ROWS_PER_TEAM` on the walk's; the forward's block tiles: a block
-    /// per row or per few rows where `forward_tile_grid` says so).
-    /// `prefetches(vpt)`: whether that register tile keeps the next row in flight.
+    /// per row, or persistent rounds, as `forward_tile_grid` says). `wide_first(vpt)`: whether a
+    /// block past the preferred size tries that register tile first (`row_tile`).
     // Launch arithmetic on validated sizes and the table's few tiles.
     #[allow(clippy::arithmetic_side_effects)]
     pub(crate) fn plan(
         self,
         device: &dyn Device,
-        prefetches: impl Fn(usize) -> bool,
+        wide_first: impl Fn(usize) -> bool,
     ) -> Result<Launch<NormKey, P>> {
         let base = self.key;
         let kernel = |vpt: usize, cluster: bool, lanes: usize| {
@@ -225,7 +225,7 @@ impl<P: Copy> RowLaunch<P> {
                 (self.cluster_sizes, max_cluster),
                 self.stream_threads,
                 |vpt, cluster| kernel(vpt, cluster, 0).map(limit).transpose(),
-                prefetches,
+                wide_first,
             )
         };
         let question = (
@@ -263,11 +263,14 @@ impl<P: Copy> RowLaunch<P> {
             }
             _ => ForwardTileGrid::Persistent,
         };
-        // Walkers (a segment team, or a whole block) of `rows_each` rows, `per_block` of them a
-        // block, but never fewer blocks than a row each would keep resident: a small batch
-        // spreads over the SMs rather than queueing several rows in each of a few walkers.
-        let walk = |rows_each: usize, per_block: usize| -> Result<usize> {
-            let full = full_grid(device, self.work.div_ceil(per_block * rows_each));
+        // The walk's segment teams take `FORWARD_WALK_ROWS_PER_TEAM` rows each, `per_block` teams
+        // a block, but never fewer blocks than a row a team would keep resident: a small batch
+        // spreads over the SMs rather than queueing several rows in each of a few teams.
+        let walk = |per_block: usize| -> Result<usize> {
+            let full = full_grid(
+                device,
+                self.work.div_ceil(per_block * FORWARD_WALK_ROWS_PER_TEAM),
+            );
             let spread = self.work.div_ceil(per_block);
             Ok(full.max(persistent_grid(
                 device,
@@ -282,11 +285,10 @@ impl<P: Copy> RowLaunch<P> {
             // A block per `threads / lanes` rows, a team per row: no occupancy query; a grid
             // limit still holds (the teams walk the rows by grid stride).
             (Some(_), _) if one_shot => full_grid(device, self.work.div_ceil(threads / lanes)),
-            (Some(_), _) => walk(FORWARD_WALK_ROWS_PER_TEAM, threads / lanes)?,
+            (Some(_), _) => walk(threads / lanes)?,
             // A block per row; a grid limit still holds (the blocks walk the rows by grid
             // stride).
             (None, ForwardTileGrid::OneShot) => full_grid(device, self.work),
-            (None, ForwardTileGrid::Walk { rows_per_block }) => walk(rows_per_block, 1)?,
             (None, ForwardTileGrid::Persistent) => {
                 let work = if lanes != 0 && self.items_per_team {
                     self.work.div_ceil(threads / lanes)

@@ -60,8 +60,9 @@ mod tile;
 pub use params::{BackwardParams, ForwardParams};
 pub use policy::{
     FORWARD_ONE_SHOT_BLOCK_BYTES, FORWARD_WALK_ROWS_PER_TEAM, FORWARD_WALK_THREADS,
-    ForwardTileGrid, STREAM, forward_fewest_accesses, forward_one_shot_threads, forward_prefetches,
-    forward_segments_one_shot, forward_stream_threads, forward_tile_grid,
+    ForwardTileGrid, STREAM, forward_clusters, forward_fewest_accesses, forward_one_shot_threads,
+    forward_prefetches, forward_segments_one_shot, forward_stream_threads, forward_tile_grid,
+    forward_wide_block_first,
 };
 pub use staged::STAGES;
 

@@ -15,14 +15,40 @@ use crate::reduce::ROW_REDUCER_SHARED_WORDS;
 /// instead of held in registers.
 pub const STREAM: usize = 0;
 
-/// Whether a forward register tile (`vpt` ≥ 1) loads the next row before reducing this one: the
-/// 4-pack tiles only (at 16 bits, rows wider than 4096: few of their blocks fit an SM). The
-/// narrower tiles' blocks fit four or more per SM, a row each ([`forward_tile_grid`]): there the
-/// next row's registers cost resident blocks, which hide the latency instead (LayerNorm's 2-pack
-/// tile without it: 4.7–5.0 points higher at 32768×2048 and 16384×4096, 16 bits; H100,
-/// `bench-results/h200.md`, forty-third session). The residual families hold f32 rows: no room.
-pub const fn forward_prefetches(residual: bool, vpt: usize) -> bool {
+/// Whether a forward register tile (`vpt` ≥ 1) loads the next row before reducing this one:
+/// LayerNorm's 4-pack tiles only (at 16 bits, rows wider than 4096). Its 512-thread blocks
+/// (d = 8193..16384) fit one per SM, whose row's latency the next row's loads hide (without them:
+/// 72 against 89 % of copy at 4096×16384, 16 bits). RMSNorm's 4-pack tile without a next row takes
+/// 64 registers instead of 91: four 256-thread blocks per SM on the one-shot grid
+/// ([`forward_tile_grid`]), or a 1024-thread block, which holds a row of 32768 16-bit elements
+/// that the streaming tile re-read from L2 (8192×8192 93.2 → 94.5, 4096×16384 92.0 → 94.6,
+/// 2048×32768 87.9 → 93.4, f32 at 4096×16384 95.8 → 97.5; H100, `bench-results/h200.md`,
+/// forty-fourth session). The narrower tiles' blocks fit four or more per SM, a row each: there
+/// the next row's registers cost resident blocks, which hide the latency instead (LayerNorm's
+/// 2-pack tile without it: 4.7–5.0 points higher at 32768×2048 and 16384×4096, 16 bits; H100,
+/// forty-third session). The residual families hold f32 rows: no room.
+pub const fn forward_prefetches(centered: bool, residual: bool, vpt: usize) -> bool {
+    centered && !residual && vpt >= 4
+}
+
+/// Whether a plain forward row past the preferred block (256 threads) tries the register tile of
+/// `vpt` accesses before the others: the 4-pack tile, whose 512 threads fit two blocks per SM
+/// where the 2-pack tile's 1024 fit one (RMSNorm at 4096×16384, 16 bits: 94.6 against 82.5 % of
+/// copy; H100, forty-fourth session). The residual families' rows are f32 in registers: the
+/// fewest accesses, more warps.
+pub const fn forward_wide_block_first(residual: bool, vpt: usize) -> bool {
     !residual && vpt >= 4
+}
+
+/// Whether a forward may split a row over a cluster of blocks. Forward rows are independent: with
+/// a row per SM or more, a block per row streaming its row from L2 outruns a cluster per row
+/// (LayerNorm at 1024×65536, 16 bits: 66.7 against 63.1 % of copy, its residual form 61.8 against
+/// 52.7). RMSNorm's rows wider than a block's registers (more than 64 KiB) are the exception: a
+/// cluster holds the row in registers, read once (1024×65536 at 16 bits 77.9 → 88.4, f32
+/// 69.0 → 88.6, f32 at 2048×32768 77.7 → 88.8, the residual form 65.5 → 90.4; H100,
+/// forty-fourth session).
+pub const fn forward_clusters(centered: bool, fewer_rows_than_sms: bool, row_bytes: usize) -> bool {
+    fewer_rows_than_sms || (!centered && row_bytes > 64 * 1024)
 }
 
 /// The fewest accesses per thread of a forward register tile. Plain LayerNorm's one-access tile
@@ -69,9 +95,6 @@ pub const fn forward_segments_one_shot(centered: bool, residual: bool, vpt: usiz
 pub enum ForwardTileGrid {
     /// A block per row; finished blocks are replaced by new ones.
     OneShot,
-    /// A block per this many rows (never fewer blocks than fit the SMs at once), each keeping
-    /// its next row in flight.
-    Walk { rows_per_block: usize },
     /// The resident blocks, walking every row in balanced rounds.
     Persistent,
 }
@@ -85,12 +108,10 @@ pub enum ForwardTileGrid {
 /// and β into shared memory ([`forward_params_in_shared`]), which then pay that copy per row — with
 /// one block per SM nothing hides it (2 points lower at 4096×16384).
 ///
-/// A tile that prefetches goes one-shot where four or more blocks per SM hide a row's latency
-/// instead (plain LayerNorm's 2-pack tile at d = 2048 and 4096, when it prefetched: 5 and 3
-/// higher); with one or two, one-shot measured 5–18 points lower (H100, `bench-results/h200.md`,
-/// fortieth session). There RMSNorm's blocks walk [`FORWARD_TILE_WALK_ROWS`] rows each: 3.4–4.1
-/// points higher than the persistent walk at 8192×8192 and 4096×16384 (16 bits; 2 and 8 rows within
-/// a point of 4), while LayerNorm's lost 1.6–3.3 with 4 rows and keep the persistent walk.
+/// A tile that prefetches (LayerNorm's 4-pack, [`forward_prefetches`]) goes one-shot where four or
+/// more blocks per SM hide a row's latency instead; with one or two, one-shot measured 5–18 points
+/// lower (H100, `bench-results/h200.md`, fortieth session), and a walk of 4 rows per block 1.6–3.3
+/// lower than the persistent rounds (forty-first session).
 ///
 /// A streaming tile re-reads its row from L2: plain rows in blocks of which two or more fit an SM
 /// ([`forward_stream_threads`]: rows of up to 64 KiB) go one-shot too, so one block's passes
@@ -105,33 +126,16 @@ pub const fn forward_tile_grid(
     vpt: usize,
     resident_per_sm: usize,
 ) -> ForwardTileGrid {
-    use ForwardTileGrid::{OneShot, Persistent, Walk};
-    if vpt == STREAM {
-        if !residual && resident_per_sm >= 2 {
-            OneShot
-        } else {
-            Persistent
-        }
-    } else if forward_prefetches(residual, vpt) {
-        if resident_per_sm >= 4 {
-            OneShot
-        } else if centered {
-            Persistent
-        } else {
-            Walk {
-                rows_per_block: FORWARD_TILE_WALK_ROWS,
-            }
-        }
-    } else if resident_per_sm >= 2 || !forward_params_in_shared(centered, residual, vec, vpt, 0) {
-        OneShot
+    use ForwardTileGrid::{OneShot, Persistent};
+    let one_shot = if vpt == STREAM {
+        !residual && resident_per_sm >= 2
+    } else if forward_prefetches(centered, residual, vpt) {
+        resident_per_sm >= 4
     } else {
-        Persistent
-    }
+        resident_per_sm >= 2 || !forward_params_in_shared(centered, residual, vec, vpt, 0)
+    };
+    if one_shot { OneShot } else { Persistent }
 }
-
-/// Rows each block of RMSNorm's prefetching block tile walks where few of its blocks fit an SM
-/// ([`forward_tile_grid`]).
-pub const FORWARD_TILE_WALK_ROWS: usize = 4;
 
 /// The forward walk's blocks (segment teams where [`forward_segments_one_shot`] is false): this
 /// many threads, each team walking [`FORWARD_WALK_ROWS_PER_TEAM`] rows with the next one in

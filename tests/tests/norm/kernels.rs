@@ -257,7 +257,7 @@ fn emulated_small_batches_split_over_clusters() {
 /// Every d of the acceptance list, each with a row count from its list so every count appears;
 /// small batches of rows split over clusters (groups of one and of four rows); and narrow rows
 /// over many groups of segment teams (QK-norm's 128; 100 by single-element access).
-const GPU_SHAPES: [(usize, usize); 22] = [
+const GPU_SHAPES: [(usize, usize); 23] = [
     (65536, 128),
     (20000, 256),
     (9000, 100),
@@ -280,6 +280,8 @@ const GPU_SHAPES: [(usize, usize); 22] = [
     (64, 16384),
     (1000, 16384),
     (200, 32768),
+    // More rows than SMs, wider than 64 KiB at 16 bits: RMSNorm's forward on clusters.
+    (140, 40000),
 ];
 
 /// Strided rows, and views one element off 16-byte alignment (single-element access).

@@ -409,14 +409,16 @@ fn emulator_residual_normalizes_what_it_stores() {
 /// Segment teams, the 4096-wide register tile, the widest block tile, cluster tiles (of 2 and 8
 /// blocks at 16 bits; with a dresidual in the activations' dtype, segment teams, the widest block
 /// tile and the cluster tiles are the plain ones, the clusters' rows staged), rows too wide for
-/// registers, and unaligned rows.
-const GPU_RESIDUAL_SHAPES: [ResidualShape; 6] = [
+/// registers, unaligned rows, and more rows than SMs wider than 64 KiB at 16 bits (RMSNorm's
+/// forward on clusters).
+const GPU_RESIDUAL_SHAPES: [ResidualShape; 7] = [
     (30000, 128, [128, 136, 144, 128]),
     (4096, 4096, [4096, 4096, 4096, 4096]),
     (64, 8192, [8192, 8200, 8208, 8192]),
     (300, 16384, [16384, 16392, 16384, 16400]),
     (16, 65536, [65536; 4]),
     (1000, 4097, [4099, 4101, 4103, 4097]),
+    (140, 40000, [40000, 40008, 40000, 40016]),
 ];
 
 /// Every kind on every GPU shape; LayerNorm without bias recomputes its statistics.
@@ -433,7 +435,8 @@ fn on_gpu<T: TestDtype, R: TestDtype, H: TestDtype>() {
 }
 
 /// The same bits on repeats and on grids capped at 3 and 7 blocks, with a bf16 stream: the plain
-/// segment teams, widest block tile and cluster tiles (2 and 8 blocks) that add dresidual.
+/// segment teams, widest block tile and cluster tiles (2 and 8 blocks) that add dresidual, and
+/// RMSNorm's forward clusters of many wide rows.
 #[test]
 fn gpu_residual_is_bitwise_repeatable_and_grid_invariant() {
     let Some(gpu) = Device::shared() else { return };
@@ -442,7 +445,7 @@ fn gpu_residual_is_bitwise_repeatable_and_grid_invariant() {
     let mut rng = Rng::fresh("gpu_residual_determinism");
     for kind in KINDS {
         let recompute = kind == Kind::Layer { bias: false };
-        for shape in [0, 2, 3, 4].map(|i| GPU_RESIDUAL_SHAPES[i]) {
+        for shape in [0, 2, 3, 4, 6].map(|i| GPU_RESIDUAL_SHAPES[i]) {
             let case = ResidualCase::<bf16, bf16, bf16>::new(kind, &mut rng, shape, recompute);
             let first = case.run(&gpu);
             case.check(&first, "gpu residual determinism");
