@@ -83,8 +83,9 @@ pub struct RowTile {
 /// tiles for which `wide_first(vpt)` holds first; the smallest cluster of `cluster_sizes`
 /// (ascending, up to `max_cluster` blocks) whose blocks need at most [`PREFERRED_THREADS`] (fewest
 /// accesses per thread first), then at most the kernel's limit; else streaming, in blocks of at
-/// most `stream_threads`, by a cluster of `max_cluster` blocks. The choice depends on the shape, the device and the kernels' register
-/// counts only, never on the grid, so reductions keep their order.
+/// most `stream_threads`, by a cluster of `max_cluster` blocks. The choice depends on the shape,
+/// the device and the kernels' register counts only, never on the grid, so reductions keep their
+/// order.
 pub(crate) fn row_tile(
     d: usize,
     len: usize,

@@ -457,9 +457,10 @@ mod tests {
     #[test]
     fn forward_block_tiles_take_a_block_per_row_or_persistent_rounds() {
         // (norm, residual, rows, d, the tile's accesses per thread, its grid: a block per row, or
-        // the resident blocks' balanced rounds). On the fake H200 (64 registers a thread for every v2 tile and RMSNorm's plain v4,
-        // 128 for the other v4) a v2 tile holds 4 blocks of 256 per SM or one of 1024, RMSNorm's
-        // v4 four of 256, two of 512 or one of 1024, the other v4 one of 512.
+        // the resident blocks' balanced rounds). On the fake H200 (64 registers a thread for every
+        // v2 tile and RMSNorm's plain v4, 128 for the other v4) a v2 tile holds 4 blocks of 256
+        // per SM or one of 1024, RMSNorm's v4 four of 256, two of 512 or one of 1024, the other v4
+        // two of 256 or one of 512.
         for (norm, residual, rows, d, vpt, grid) in [
             // No prefetch (every tile but LayerNorm's plain v4): one-shot.
             (Norm::Rms, false, 16384, 4096, 2, 16384),
