@@ -26,7 +26,9 @@ pub const STREAM: usize = 0;
 /// forty-fourth session). The narrower tiles' blocks fit four or more per SM, a row each: there
 /// the next row's registers cost resident blocks, which hide the latency instead (LayerNorm's
 /// 2-pack tile without it: 4.7–5.0 points higher at 32768×2048 and 16384×4096, 16 bits; H100,
-/// forty-third session). The residual families hold f32 rows: no room.
+/// forty-third session — the forty-fourth session's H200 sweep read those rows lower than the
+/// fortieth's, with the prefetch: to be settled by an A/B on the H200). The residual families hold
+/// f32 rows: no room.
 pub const fn forward_prefetches(centered: bool, residual: bool, vpt: usize) -> bool {
     centered && !residual && vpt >= 4
 }
