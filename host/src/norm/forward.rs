@@ -529,7 +529,7 @@ mod tests {
             (many.kernel.name, many.cluster),
             ("layer_norm_fwd_bf16_vx", 1)
         );
-        // RMSNorm's rows past a block's registers (more than 64 KiB) keep the cluster, plain or
+        // RMSNorm's rows past a block's registers (more than 64 KiB) take a cluster, plain or
         // with the residual; 64 KiB rows fit a block.
         let many = plan(&call(Norm::Rms, 1024, 65536), &H200).unwrap().unwrap();
         let tile = (many.kernel.name, many.block, many.cluster);
@@ -539,6 +539,9 @@ mod tests {
         residual.residual = Some([(5 << 20, 65536, false), (6 << 20, 65536, false)]);
         assert_eq!(launched(&residual).2, 8);
         assert_eq!(launched(&call(Norm::Rms, 2048, 32768)).2, 1);
+        // Rows past what a cluster holds in registers (256 KiB) stream, a block each.
+        let huge = launched(&call(Norm::Rms, 256, 1 << 20));
+        assert_eq!((huge.0, huge.2), ("rms_norm_fwd_bf16_vx", 1));
     }
 
     #[test]

@@ -45,12 +45,13 @@ pub const fn forward_wide_block_first(residual: bool, vpt: usize) -> bool {
 /// Whether a forward may split a row over a cluster of blocks. Forward rows are independent: with
 /// a row per SM or more, a block per row streaming its row from L2 outruns a cluster per row
 /// (LayerNorm at 1024×65536, 16 bits: 66.7 against 63.1 % of copy, its residual form 61.8 against
-/// 52.7). RMSNorm's rows wider than a block's registers (more than 64 KiB) are the exception: a
-/// cluster holds the row in registers, read once (1024×65536 at 16 bits 77.9 → 88.4, f32
-/// 69.0 → 88.6, f32 at 2048×32768 77.7 → 88.8, the residual form 65.5 → 90.4; H100,
-/// forty-fourth session).
+/// 52.7). RMSNorm's rows wider than a block's registers (more than 64 KiB) are the exception, up
+/// to 256 KiB, which a cluster of 8 still holds in registers: read once (1024×65536 at 16 bits
+/// 77.9 → 88.4, f32 69.0 → 88.6, f32 at 2048×32768 77.7 → 88.8, the residual form 65.5 → 90.4;
+/// H100, forty-fourth session). Wider rows would stream over a cluster: not measured with many
+/// rows, they keep a block each.
 pub const fn forward_clusters(centered: bool, fewer_rows_than_sms: bool, row_bytes: usize) -> bool {
-    fewer_rows_than_sms || (!centered && row_bytes > 64 * 1024)
+    fewer_rows_than_sms || (!centered && row_bytes > 64 * 1024 && row_bytes <= 256 * 1024)
 }
 
 /// The fewest accesses per thread of a forward register tile. Plain LayerNorm's one-access tile
