@@ -500,7 +500,7 @@ pub(crate) mod tests {
             (false, "v2" | "v2c" | "s2") => 64,
             // RMSNorm's plain 4-pack tiles keep no next row in flight.
             (false, "v4") if name.starts_with("rms_norm_fwd_bf16") => 64,
-            (false, "v4c") if name.starts_with("rms_norm_fwd_bf16") => 72,
+            (false, "v4c") if name.starts_with("rms_norm_fwd_bf16") => 70,
             (false, "v4" | "v4c" | "s4") => 128,
             (false, _) => 48,
         }

@@ -263,29 +263,24 @@ impl<P: Copy> RowLaunch<P> {
             }
             _ => ForwardTileGrid::Persistent,
         };
-        // The walk's segment teams take `FORWARD_WALK_ROWS_PER_TEAM` rows each, `per_block` teams
-        // a block, but never fewer blocks than a row a team would keep resident: a small batch
-        // spreads over the SMs rather than queueing several rows in each of a few teams.
-        let walk = |per_block: usize| -> Result<usize> {
-            let full = full_grid(
-                device,
-                self.work.div_ceil(per_block * FORWARD_WALK_ROWS_PER_TEAM),
-            );
-            let spread = self.work.div_ceil(per_block);
-            Ok(full.max(persistent_grid(
-                device,
-                kernel.entry(),
-                spread,
-                threads,
-                1,
-                shared_bytes,
-            )?))
-        };
         let grid = match (forward_teams, tile_grid) {
             // A block per `threads / lanes` rows, a team per row: no occupancy query; a grid
             // limit still holds (the teams walk the rows by grid stride).
             (Some(_), _) if one_shot => full_grid(device, self.work.div_ceil(threads / lanes)),
-            (Some(_), _) => walk(threads / lanes)?,
+            // The walk: a team per `FORWARD_WALK_ROWS_PER_TEAM` rows, but never fewer blocks than
+            // a team per row keeps resident: a small batch spreads over the SMs rather than
+            // queueing several rows in each of a few teams.
+            (Some(_), _) => {
+                let teams = threads / lanes;
+                let walking = full_grid(
+                    device,
+                    self.work.div_ceil(teams * FORWARD_WALK_ROWS_PER_TEAM),
+                );
+                let spread = self.work.div_ceil(teams);
+                let resident =
+                    persistent_grid(device, kernel.entry(), spread, threads, 1, shared_bytes)?;
+                walking.max(resident)
+            }
             // A block per row; a grid limit still holds (the blocks walk the rows by grid
             // stride).
             (None, ForwardTileGrid::OneShot) => full_grid(device, self.work),
