@@ -400,14 +400,17 @@ fn matches_reference<B: Backend, T: TestDtype>(
 }
 
 /// Small enough for the emulator: a ragged row, padded rows, an offset of one element (single
-/// element access), 40 rows (3 dbias groups, more row slices than a group has rows) and 600
-/// padded rows of 256 (dbias groups of 16 rows taken by 4 or 8 row slices, the last group short).
-const EMULATOR_SHAPES: [Shape; 5] = [
+/// element access), 40 rows (3 dbias groups, more row slices than a group has rows), 600
+/// padded rows of 256 (dbias groups of 16 rows taken by 4 or 8 row slices, the last group short)
+/// and 2900 single-element rows of 200 (groups of 12 rows, one slice each: a full batch of rows
+/// in flight, then a short one; the last group 8 rows).
+const EMULATOR_SHAPES: [Shape; 6] = [
     (3, 7, 7, 0),
     (17, 64, 72, 0),
     (5, 33, 40, 1),
     (40, 16, 16, 0),
     (600, 256, 260, 0),
+    (2900, 200, 200, 1),
 ];
 
 fn emulator_matches_reference<T: TestDtype>() {
@@ -432,8 +435,10 @@ fn emulator_matches_reference_bf16() {
     emulator_matches_reference::<bf16>();
 }
 
-const GPU_SHAPES: [Shape; 7] = [
+const GPU_SHAPES: [Shape; 8] = [
     (4096, 4096, 4096, 0),
+    // dbias groups of 12 rows, one row slice each: a full batch of rows in flight, then a short one.
+    (2900, 2048, 2048, 0),
     // Narrow rows: dbias groups of 64 rows over 16 (bf16) or 32 (f32) row slices of a block.
     (65536, 128, 128, 0),
     (30000, 100, 104, 0),
