@@ -88,11 +88,11 @@ macro_rules! activation_kernels {
         &[$(
             &[
                 activation_kernels!(@entry concat!($name, "_", $an, "_f32_v"), $family, $body, $shared, $registers, F32, true, $act),
-                activation_kernels!(@entry concat!($name, "_", $an, "_f32_s"), $family, $body, $shared, $registers, F32, false, $act),
+                activation_kernels!(@entry concat!($name, "_", $an, "_f32_s"), $family, $body, $shared, 0, F32, false, $act),
                 activation_kernels!(@entry concat!($name, "_", $an, "_f16_v"), $family, $body, $shared, $registers, F16, true, $act),
-                activation_kernels!(@entry concat!($name, "_", $an, "_f16_s"), $family, $body, $shared, $registers, F16, false, $act),
+                activation_kernels!(@entry concat!($name, "_", $an, "_f16_s"), $family, $body, $shared, 0, F16, false, $act),
                 activation_kernels!(@entry concat!($name, "_", $an, "_bf16_v"), $family, $body, $shared, $registers, Bf16, true, $act),
-                activation_kernels!(@entry concat!($name, "_", $an, "_bf16_s"), $family, $body, $shared, $registers, Bf16, false, $act),
+                activation_kernels!(@entry concat!($name, "_", $an, "_bf16_s"), $family, $body, $shared, 0, Bf16, false, $act),
             ]
         ),*]
     };
@@ -113,9 +113,10 @@ activation_kernels! {
     // Entry-name part and function of every activation.
     activations: ["relu" Relu, "silu" Silu, "gelu_erf" GeluErf, "gelu_tanh" GeluTanh];
 
-    // Entry-name part, family, body, dynamic shared bytes for a block size, register budget (0:
-    // ptxas's choice). The dbias kernel's eight rows in flight take ~125 registers: 128 keeps two
-    // blocks of 256 threads on an SM on every target (sm_80's own choice was 130, one block).
+    // Entry-name part, family, body, dynamic shared bytes for a block size, register budget of
+    // the 16-byte-pack instances (0: ptxas's choice; the one-element instances always take
+    // ptxas's). The dbias kernel's eight rows of packs in flight take ~125 registers: 128 keeps
+    // two blocks of 256 threads on an SM on every target (sm_80's own choice was 130, one block).
     "act_fwd" => Forward, forward, no_shared, 0;
     "act_bwd" => Backward, backward, no_shared, 0;
     "act_bwd_dbias" => BackwardDbias, backward_dbias, dbias_shared, 128;
