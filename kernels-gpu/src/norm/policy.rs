@@ -16,42 +16,43 @@ use crate::reduce::ROW_REDUCER_SHARED_WORDS;
 pub const STREAM: usize = 0;
 
 /// Whether a forward register tile (`vpt` ≥ 1) loads the next row before reducing this one:
-/// LayerNorm's 4-pack tiles only (at 16 bits, rows wider than 4096). Its 512-thread blocks
-/// (d = 8193..16384) fit one per SM, whose row's latency the next row's loads hide (without them:
-/// 72 against 89 % of copy at 4096×16384, 16 bits). RMSNorm's 4-pack tile without a next row takes
-/// 64 registers instead of 91: four 256-thread blocks per SM on the one-shot grid
-/// ([`forward_tile_grid`]), or a 1024-thread block, which holds a row of 32768 16-bit elements
-/// that the streaming tile re-read from L2 (8192×8192 93.2 → 94.5, 4096×16384 92.0 → 94.6,
-/// 2048×32768 87.9 → 93.4, f32 at 4096×16384 95.8 → 97.5; H100, `bench-results/h200.md`,
-/// forty-fourth session). The narrower tiles' blocks fit four or more per SM, a row each: there
-/// the next row's registers cost resident blocks, which hide the latency instead (LayerNorm's
-/// 2-pack tile without it: 4.7–5.0 points higher at 32768×2048 and 16384×4096, 16 bits; H100,
-/// forty-third session — the forty-fourth session's H200 sweep read those rows lower than the
-/// fortieth's, with the prefetch: to be settled by an A/B on the H200). The residual families hold
-/// f32 rows: no room.
+/// LayerNorm's 4-pack tiles only (at 16 bits, rows wider than 4096). Their 512-thread blocks
+/// (d = 8193..16384) fit one per SM, and the next row's loads hide the row's latency that no other
+/// block on the SM would. RMSNorm's 4-pack tile keeps no next row: its registers (64 instead of 91)
+/// then fit four 256-thread blocks per SM on the one-shot grid ([`forward_tile_grid`]), or a
+/// 1024-thread block that holds a row of 32768 16-bit elements the streaming tile would read
+/// twice. The narrower tiles' blocks fit four or more per SM, a row each: there the next row's
+/// registers would cost resident blocks, which hide the latency instead. The residual families
+/// hold f32 rows: no room. Measured on H100s; the H200 A/B of LayerNorm's 2-pack prefetch is still
+/// owed (`bench-results/h200.md`, forty-third to forty-fifth sessions).
 pub const fn forward_prefetches(centered: bool, residual: bool, vpt: usize) -> bool {
     centered && !residual && vpt >= 4
 }
 
 /// Whether a plain forward row past the preferred block (256 threads) tries the register tile of
 /// `vpt` accesses before the others: the 4-pack tile, whose 512 threads fit two blocks per SM
-/// where the 2-pack tile's 1024 fit one (RMSNorm at 4096×16384, 16 bits: 94.6 against 82.5 % of
-/// copy; H100, forty-fourth session). The residual families' rows are f32 in registers: the
-/// fewest accesses, more warps.
+/// where the 2-pack tile's 1024 fit one (`bench-results/h200.md`, forty-fourth session). The
+/// residual families' rows are f32 in registers: the fewest accesses, more warps.
 pub const fn forward_wide_block_first(residual: bool, vpt: usize) -> bool {
     !residual && vpt >= 4
 }
 
+/// The widest row (bytes of x) a forward block holds in registers (1024 threads of four 16-byte
+/// packs), and the widest a cluster of 8 blocks does (of up to 512 threads each).
+const FORWARD_BLOCK_ROW_BYTES: usize = 64 * 1024;
+const FORWARD_CLUSTER_ROW_BYTES: usize = 256 * 1024;
+
 /// Whether a forward may split a row over a cluster of blocks. Forward rows are independent: with
 /// a row per SM or more, a block per row streaming its row from L2 outruns a cluster per row
-/// (LayerNorm at 1024×65536, 16 bits: 66.7 against 63.1 % of copy, its residual form 61.8 against
-/// 52.7). RMSNorm's rows wider than a block's registers (more than 64 KiB) are the exception, up
-/// to 256 KiB, which a cluster of 8 still holds in registers: read once (1024×65536 at 16 bits
-/// 77.9 → 88.4, f32 69.0 → 88.6, f32 at 2048×32768 77.7 → 88.8, the residual form 65.5 → 90.4;
-/// H100, forty-fourth session). Wider rows would stream over a cluster: not measured with many
-/// rows, they keep a block each.
+/// (LayerNorm, plain and residual). RMSNorm's rows too wide for a block's registers but not for a
+/// cluster's are the exception: a cluster reads them once where a block would read them twice.
+/// Wider rows would stream over a cluster as well: not measured with many rows, they keep a block
+/// each (`bench-results/h200.md`, forty-fourth session).
 pub const fn forward_clusters(centered: bool, fewer_rows_than_sms: bool, row_bytes: usize) -> bool {
-    fewer_rows_than_sms || (!centered && row_bytes > 64 * 1024 && row_bytes <= 256 * 1024)
+    fewer_rows_than_sms
+        || (!centered
+            && row_bytes > FORWARD_BLOCK_ROW_BYTES
+            && row_bytes <= FORWARD_CLUSTER_ROW_BYTES)
 }
 
 /// The fewest accesses per thread of a forward register tile. Plain LayerNorm's one-access tile
