@@ -21,6 +21,8 @@
 //! # Ok::<(), normkern::Error>(())
 //! ```
 
+use normkern_gpu::activation::kernels::dbias_columns;
+pub use normkern_gpu::activation::kernels::dbias_group_layout;
 use normkern_gpu::activation::{ActivationKey, Family, KERNELS, Params};
 use normkern_gpu::kernel::Dtype as KernelDtype;
 
@@ -189,14 +191,21 @@ pub struct GatedBackward<'a, E: Executor, T: Dtype> {
     pub grad: GatedGrad<'a, E, T>,
 }
 
-/// f32 elements of workspace a backward with dbias needs for `rows × d`.
+/// f32 elements of workspace a backward with dbias needs for `rows × d`: the partial rows of
+/// [`dbias_group_layout`]`(rows, d)`'s groups.
 ///
 /// ```
 /// assert!(normkern::activation::workspace_len(4096, 11008)? >= 11008);
 /// # Ok::<(), normkern::Error>(())
 /// ```
 pub fn workspace_len(rows: usize, d: usize) -> Result<usize> {
-    gradient_workspace_len(Partials::Own(ParamGradients::Auto), rows, d, 1)
+    gradient_workspace_len(
+        GradientsOf::Activation,
+        Partials::Own(ParamGradients::Auto),
+        rows,
+        d,
+        1,
+    )
 }
 
 /// `y = f(x)`. Example: the module's.
@@ -268,7 +277,7 @@ pub(crate) fn backward_across<E: Executor, T: Dtype>(
                 problem: "a benchmark baseline of the norm backwards only",
             });
         }
-        let needed = gradient_workspace_len(partials, rows, d, 1)?;
+        let needed = gradient_workspace_len(GradientsOf::Activation, partials, rows, d, 1)?;
         if db.workspace.elements() < needed {
             return Err(Error::WorkspaceTooSmall {
                 needed,
@@ -563,11 +572,8 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
             groups: groups as u32,
             partials,
             // A dbias work item is a group × `columns` accesses of its rows, the block taking
-            // THREADS / columns of the group's rows at once: rows narrower than a block keep
-            // every thread busy. Only the shape decides `columns`, so it never changes the sums'
-            // order from one GPU or grid to another. (Narrower items for wide rows too, 32 to
-            // 128 accesses, lost up to 13 points for GELU: `bench-results/h200.md`.)
-            columns: per_row.next_power_of_two().min(THREADS) as u32,
+            // THREADS / columns of the group's rows at once (`dbias_columns`).
+            columns: dbias_columns(d, per_row, THREADS) as u32,
             ..Params::default()
         };
         for (i, (address, stride)) in inputs.iter().enumerate() {

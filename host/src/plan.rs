@@ -7,6 +7,7 @@
 // (blocks of 32 to 1024 threads, clusters of 1 to 8): nothing here overflows or divides by 0.
 #![allow(clippy::arithmetic_side_effects)]
 
+use normkern_gpu::activation::kernels::dbias_group_layout;
 use normkern_gpu::column_sum::{
     self, CHAIN_COLUMNS, COLUMN_SUM_ROUND_GROUPS, COLUMN_SUM_THREADS, COLUMN_SUM_VECTOR,
     ColumnSumParams, GROUP_SUMS_ATOMIC, GROUP_SUMS_IN_LAUNCH, GROUP_SUMS_LOCKED,
@@ -57,7 +58,17 @@ fn balanced_teams(work: usize, most: usize) -> usize {
 
 /// Threads a block prefers when the row fits in registers: enough warps per block to keep several
 /// blocks resident per SM and the per-row reduction short.
-const PREFERRED_THREADS: usize = 256;
+pub(crate) const PREFERRED_THREADS: usize = 256;
+
+/// The block sizes a row tile is picked within ([`row_tile`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BlockSizes {
+    /// Threads a register tile's block may have before larger blocks and clusters are tried
+    /// ([`PREFERRED_THREADS`] unless the kernel family says otherwise).
+    pub preferred: usize,
+    /// The most threads of a streaming block.
+    pub stream: usize,
+}
 
 /// Blocks per cluster the row tiles try, smallest first: each halves the block's share of a row.
 pub(crate) const CLUSTER_SIZES: &[usize] = &[2, 4, 8];
@@ -79,11 +90,11 @@ pub struct RowTile {
 /// Picks the tile for a row of `d` elements read `len` at a time among the compiled register
 /// tiles `register_tiles` (ascending) and the streaming one. `max_threads(vpt, cluster)` is the
 /// most threads a block of that kernel may have, or `None` when no such kernel is compiled. In
-/// order: one block of up to [`PREFERRED_THREADS`]; one block of up to the kernel's limit, the
-/// tiles for which `wide_first(vpt)` holds first; the smallest cluster of `cluster_sizes`
-/// (ascending, up to `max_cluster` blocks) whose blocks need at most [`PREFERRED_THREADS`] (fewest
+/// order: one block of up to `sizes.preferred` threads; one block of up to the kernel's limit,
+/// the tiles for which `wide_first(vpt)` holds first; the smallest cluster of `cluster_sizes`
+/// (ascending, up to `max_cluster` blocks) whose blocks need at most `sizes.preferred` (fewest
 /// accesses per thread first), then at most the kernel's limit; else streaming, in blocks of at
-/// most `stream_threads`, by a cluster of `max_cluster` blocks. The choice depends on the shape,
+/// most `sizes.stream`, by a cluster of `max_cluster` blocks. The choice depends on the shape,
 /// the device and the kernels' register counts only, never on the grid, so reductions keep their
 /// order.
 pub(crate) fn row_tile(
@@ -91,7 +102,7 @@ pub(crate) fn row_tile(
     len: usize,
     register_tiles: &[usize],
     (cluster_sizes, max_cluster): (&[usize], usize),
-    stream_threads: usize,
+    sizes: BlockSizes,
     max_threads: impl Fn(usize, bool) -> Result<Option<usize>>,
     wide_first: impl Fn(usize) -> bool,
 ) -> Result<RowTile> {
@@ -127,7 +138,7 @@ pub(crate) fn row_tile(
         let threads = threads_for(vpt, cluster);
         let max = max.min(1024);
         let limit = if preferred {
-            PREFERRED_THREADS.min(max)
+            sizes.preferred.min(max)
         } else {
             max
         };
@@ -143,7 +154,7 @@ pub(crate) fn row_tile(
     // Streaming: over the widest cluster there is, else one block.
     for cluster in [max_cluster.clamp(1, 8), 1] {
         if let Some(max) = max_threads(STREAM, cluster > 1)? {
-            let threads = threads_for(1, cluster).min(max.min(stream_threads) / 32 * 32);
+            let threads = threads_for(1, cluster).min(max.min(sizes.stream) / 32 * 32);
             return Ok(RowTile {
                 vpt: STREAM,
                 threads,
@@ -230,7 +241,16 @@ impl<K: Eq + std::hash::Hash, V: Copy> Memo<K, V> {
 /// Row tiles chosen so far, by (table address, kernel key with the tile fields unset, d, the
 /// cluster sizes tried (their list's address) and most blocks per cluster): the choice depends
 /// on nothing else, so a device keeps it and later calls skip the search.
-pub type TileMemo = Memo<(usize, normkern_gpu::norm::NormKey, usize, (usize, usize)), RowTile>;
+pub type TileMemo = Memo<
+    (
+        usize,
+        normkern_gpu::norm::NormKey,
+        usize,
+        (usize, usize),
+        BlockSizes,
+    ),
+    RowTile,
+>;
 
 /// Whether 16-byte packs of `16 / elem_bytes` elements can serve every operand: each base address
 /// 16-byte aligned, every stride and `d` a multiple of the pack. An absent operand may be passed
@@ -418,6 +438,17 @@ pub(crate) enum GradientsOf {
     Activation,
 }
 
+impl GradientsOf {
+    /// `(rows_per_group, groups)` of the op's partial rows over `rows × d`: a function of the op
+    /// and the shape alone. Every boundary of the activations' layout is one of the norms'.
+    pub(crate) fn group_layout(self, rows: usize, d: usize) -> (usize, usize) {
+        match self {
+            GradientsOf::Norm => column_sum::group_layout(rows, d),
+            GradientsOf::Activation => dbias_group_layout(rows, d),
+        }
+    }
+}
+
 /// Whether [`ParamGradients::Auto`] takes the single launch for `rows × d` (a function of the op
 /// and the shape alone; either way the bits are two-pass's). Every call of up to 2²² elements
 /// does: there launches are much of the time. Larger norm backwards do where an H200 measured the
@@ -434,10 +465,11 @@ fn auto_single_launch(of: GradientsOf, rows: usize, d: usize) -> bool {
                 || (column_sum::NARROW_ROW_ELEMS < d && d <= AUTO_SINGLE_LAUNCH_MAX_D)))
 }
 
-/// f32 elements of workspace for `sums` (1 or 2) parameter gradients of `d` elements over `rows`
-/// rows laid out as `partials` says: the single launch's barrier words, then the partial rows
+/// f32 elements of workspace for `sums` (1 or 2) parameter gradients of `of` of `d` elements over
+/// `rows` rows laid out as `partials` says: the single launch's barrier words, then the partial rows
 /// (none for atomic sums).
 pub(crate) fn gradient_workspace_len(
+    of: GradientsOf,
     partials: Partials,
     rows: usize,
     d: usize,
@@ -457,9 +489,9 @@ pub(crate) fn gradient_workspace_len(
                 .and_then(|n| n.checked_add(GROUP_SUMS_SYNC_WORDS + LOCKED_BUFFERS))
                 .ok_or(too_large);
         }
-        Partials::Own(_) => (column_sum::group_layout(rows, d).1, 0),
+        Partials::Own(_) => (of.group_layout(rows, d).1, 0),
         Partials::Shard { groups, .. } => (groups, 0),
-        Partials::OwnSummedAcross => (column_sum::group_layout(rows, d).1, 1),
+        Partials::OwnSummedAcross => (of.group_layout(rows, d).1, 1),
     };
     groups
         .checked_add(extra_rows)
@@ -498,7 +530,7 @@ pub(crate) fn gradient_plan(
     let row_bytes = (d * 4) as u64;
     let (rows_per_group, first_group, all_groups) = match partials {
         Partials::Own(_) | Partials::OwnSummedAcross => {
-            let (per_group, groups) = column_sum::group_layout(rows, d);
+            let (per_group, groups) = of.group_layout(rows, d);
             (per_group, 0, groups)
         }
         Partials::Shard {
@@ -679,6 +711,12 @@ impl GradientPlan {
 pub(crate) mod tests {
     use super::*;
 
+    /// The backward's block sizes.
+    const SIZES: BlockSizes = BlockSizes {
+        preferred: PREFERRED_THREADS,
+        stream: STREAM_THREADS,
+    };
+
     /// An H200 as the plans see it: 132 SMs, 64K registers and 2048 threads per SM, clusters of
     /// 8 in 15 GPCs; each kernel's registers per thread from `registers(entry name)`.
     pub(crate) struct FakeH200 {
@@ -751,7 +789,7 @@ pub(crate) mod tests {
             len,
             &[1, 2, 4],
             (CLUSTER_SIZES, max_cluster),
-            STREAM_THREADS,
+            SIZES,
             max_threads,
             wide_first,
         )
@@ -845,7 +883,7 @@ pub(crate) mod tests {
             8,
             &[1, 2, 4],
             (CLUSTER_SIZES, 8),
-            STREAM_THREADS,
+            SIZES,
             max_threads,
             |_| false,
         )
@@ -857,7 +895,7 @@ pub(crate) mod tests {
             1,
             &[],
             (CLUSTER_SIZES, 1),
-            STREAM_THREADS,
+            SIZES,
             |_, _| Ok(Some(1024)),
             |_| false,
         )

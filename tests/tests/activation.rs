@@ -401,16 +401,21 @@ fn matches_reference<B: Backend, T: TestDtype>(
 
 /// Small enough for the emulator: a ragged row, padded rows, an offset of one element (single
 /// element access), 40 rows (3 dbias groups, more row slices than a group has rows), 600
-/// padded rows of 256 (dbias groups of 16 rows taken by 4 or 8 row slices, the last group short)
-/// and 2900 single-element rows of 200 (groups of 12 rows, one slice each: a full batch of rows
-/// in flight, then a short one; the last group 8 rows).
-const EMULATOR_SHAPES: [Shape; 6] = [
+/// padded rows of 256 (dbias groups of 16 rows taken by 4 or 8 row slices, the last group short),
+/// 2900 single-element rows of 200 (groups of 12 rows, one slice each: a full batch of rows
+/// in flight, then a short one; the last group 8 rows), and wide rows (dbias's own groups of four
+/// of dγ's, four row slices of 64 accesses): 150 rows of 2304 in packs (groups of 4 rows, the
+/// last of 2; 288 packs a row, so the fifth item of a group has 32 columns), 300 single-element
+/// rows of 2048 (groups of 8 rows, the last of 4).
+const EMULATOR_SHAPES: [Shape; 8] = [
     (3, 7, 7, 0),
     (17, 64, 72, 0),
     (5, 33, 40, 1),
     (40, 16, 16, 0),
     (600, 256, 260, 0),
     (2900, 200, 200, 1),
+    (150, 2304, 2304, 0),
+    (300, 2048, 2056, 1),
 ];
 
 fn emulator_matches_reference<T: TestDtype>() {
@@ -437,7 +442,8 @@ fn emulator_matches_reference_bf16() {
 
 const GPU_SHAPES: [Shape; 8] = [
     (4096, 4096, 4096, 0),
-    // dbias groups of 12 rows, one row slice each: a full batch of rows in flight, then a short one.
+    // dbias groups of 48 rows, four row slices of 12: a full batch of rows in flight, then a
+    // short one.
     (2900, 2048, 2048, 0),
     // Narrow rows: dbias groups of 64 rows over 16 (bf16) or 32 (f32) row slices of a block.
     (65536, 128, 128, 0),
@@ -480,8 +486,13 @@ fn gpu_dbias_is_bitwise_repeatable_and_grid_invariant() {
         Device::new(ctx, stream),
         Device::new(&small, stream),
     ];
-    // A row a block's threads cover, and narrow rows summed by 16 row slices of a block.
-    let shapes = [(16384, 1024, 1024, 0), (262144, 128, 128, 0)];
+    // A row a block's threads cover, narrow rows summed by 16 row slices of a block, and padded
+    // wide rows in dbias's own groups (48 rows, four row slices; the last group 24 rows).
+    let shapes = [
+        (16384, 1024, 1024, 0),
+        (262144, 128, 128, 0),
+        (3000, 4096, 4104, 0),
+    ];
     matches_reference::<_, bf16>(&backends, &shapes, &[Activation::GeluTanh]);
 }
 

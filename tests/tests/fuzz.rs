@@ -2208,28 +2208,38 @@ fn sizing_call(
     let (rows, d) = (size(rng), size(rng));
     let desc = format!("workspace_len({rows}, {d})");
     let result = catch_unwind(|| {
-        let (per_group, groups) = group_layout(rows, d);
-        let lens = [
-            (1, rms_norm::workspace_len(rows, d)),
-            (2, layer_norm::workspace_len(rows, d)),
-            (1, activation::workspace_len(rows, d)),
+        let layouts = [
+            group_layout(rows, d),
+            activation::dbias_group_layout(rows, d),
         ];
-        (per_group, groups, lens)
+        let lens = [
+            (1, layouts[0], rms_norm::workspace_len(rows, d)),
+            (2, layouts[0], layer_norm::workspace_len(rows, d)),
+            (1, layouts[1], activation::workspace_len(rows, d)),
+        ];
+        (layouts, lens)
     });
-    let Ok((per_group, groups, lens)) = result else {
+    let Ok((layouts, lens)) = result else {
         f.push(Violation::Panic, format!("{desc} panicked"));
         return (desc, true);
     };
-    // Groups of consecutive rows that cover them all, none empty.
-    let covers = per_group >= 1 && groups == rows.div_ceil(per_group);
-    if !covers {
-        f.push(
-            Violation::WrongOutcome,
-            format!("group_layout({rows}, {d}) = ({per_group}, {groups})"),
-        );
+    for (name, (per_group, groups)) in ["group_layout", "dbias_group_layout"]
+        .into_iter()
+        .zip(layouts)
+    {
+        // Groups of consecutive rows that cover them all, none empty.
+        let covers = per_group >= 1 && groups == rows.div_ceil(per_group);
+        // dbias's groups are whole numbers of dγ's (one batch split serves both).
+        let nested = per_group % layouts[0].0 == 0;
+        if !covers || !nested {
+            f.push(
+                Violation::WrongOutcome,
+                format!("{name}({rows}, {d}) = ({per_group}, {groups})"),
+            );
+        }
     }
     let mut fits = true;
-    for (partials, got) in lens {
+    for (partials, (_, groups), got) in lens {
         // The single launch's barrier words, then the partial rows.
         let want = (groups.checked_mul(d).and_then(|n| n.checked_mul(partials)))
             .and_then(|n| n.checked_add(GROUP_SUMS_SYNC_WORDS));

@@ -3,8 +3,9 @@
 //!
 //! Every backward sums its parameter gradients in two steps: each group of consecutive rows
 //! writes one fp32 partial row, then a column sum adds the partial rows in a fixed order. The
-//! groups are a function of the batch's shape alone ([`crate::group_layout`]). So a batch split
-//! over ranks *on group boundaries* can be reduced two ways:
+//! groups are a function of the op and the batch's shape alone ([`crate::group_layout`] for dγ
+//! and dβ; dbias's groups of wide rows are several of those). So a batch split over ranks *on
+//! group boundaries of every op* ([`BatchSplit::rows_per_group`]) can be reduced two ways:
 //!
 //! - [`Mode::Exact`]: each rank writes the partial rows of its own groups at their place among
 //!   the whole batch's, the ranks gather them (one NCCL broadcast per rank's block, grouped), and
@@ -18,8 +19,9 @@
 //!
 //! [`BatchSplit`] is the split: which rows of the batch each rank holds. A rank's rows must be
 //! the batch's rows `split.rank_rows(rank)`, in order; [`BatchSplit::even`] gives every rank a
-//! run of whole groups, [`BatchSplit::with_rows`] checks a split of the caller's. Only the
-//! parameter gradients meet; dx stays each rank's own.
+//! run of whole groups, [`BatchSplit::with_rows`] checks a split of the caller's. One split
+//! serves every backward of the batch. Only the parameter gradients meet; dx stays each rank's
+//! own.
 //!
 //! The GPU side (a `Communicator` and the backward calls on it) needs the `nccl` feature;
 //! the split is plain arithmetic, always there.
@@ -32,8 +34,7 @@ use std::ops::Range;
 
 use crate::error::{Error, Result};
 use crate::executor::{Executor, Launch};
-use crate::plan::{GradientPlan, Partials, gradient_workspace_len};
-use normkern_gpu::column_sum::group_layout;
+use crate::plan::{GradientPlan, GradientsOf, Partials, gradient_workspace_len};
 
 #[cfg(feature = "nccl")]
 mod nccl;
@@ -55,14 +56,14 @@ pub enum Mode {
     Fast,
 }
 
-/// Which rows of one batch (`rows × d`, one layout of dγ groups) each rank holds: rank `r` the
-/// consecutive rows [`BatchSplit::rank_rows`]`(r)`, ranks in order. Every rank but the last
-/// holds whole groups, so each rank's rows begin on a group boundary.
+/// Which rows of one batch (`rows × d`) each rank holds: rank `r` the consecutive rows
+/// [`BatchSplit::rank_rows`]`(r)`, ranks in order. Every rank but the last holds a multiple of
+/// [`BatchSplit::rows_per_group`] rows, so each rank's rows begin on a group boundary of every
+/// backward's layout.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BatchSplit {
     d: usize,
     rows_per_group: usize,
-    groups: usize,
     /// Row `starts[r]` is rank r's first; `starts[world]` = rows.
     starts: Vec<usize>,
 }
@@ -74,13 +75,14 @@ impl BatchSplit {
     /// ```
     /// use normkern::distributed::BatchSplit;
     /// let split = BatchSplit::even(16384, 4096, 3)?;
-    /// // 512 groups of 32 rows: 170, 171 and 171 groups.
-    /// assert_eq!(split.rows_per_group(), 32);
-    /// assert_eq!((split.rank_rows(0)?, split.rank_rows(2)?), (0..5440, 10912..16384));
+    /// // 128 groups of 128 rows (dbias's; dγ's are 512 of 32): 42, 43 and 43 groups.
+    /// assert_eq!(split.rows_per_group(), 128);
+    /// assert_eq!((split.rank_rows(0)?, split.rank_rows(2)?), (0..5376, 10880..16384));
     /// # Ok::<(), normkern::Error>(())
     /// ```
     pub fn even(rows: usize, d: usize, world: usize) -> Result<Self> {
-        let (rows_per_group, groups) = Self::layout(rows, d, world)?;
+        let rows_per_group = Self::layout(rows, d, world)?;
+        let groups = rows.div_ceil(rows_per_group);
         // Rank r begins at group ⌊r·groups/world⌋ (world < 2³¹, groups ≤ 8192: no overflow).
         let starts = (0..=world)
             .map(|r| {
@@ -91,21 +93,20 @@ impl BatchSplit {
         Ok(BatchSplit {
             d,
             rows_per_group,
-            groups,
             starts,
         })
     }
 
     /// The split that gives rank r `rank_rows[r]` rows, checked: every rank's first row must
-    /// begin a group of the batch's layout (every count but the last a multiple of
-    /// [`Self::rows_per_group`] of the batch — use [`crate::group_layout`]`(total, d)` to
-    /// choose them).
+    /// begin a group of the batch's layouts (every count but the last a multiple of
+    /// [`Self::group_rows`]`(total, d)`).
     ///
     /// ```
     /// use normkern::distributed::BatchSplit;
-    /// // 16384 rows of 4096 form groups of 32 rows: 8192 + 8192 splits, 8010 + 8374 does not.
+    /// // 16384 rows of 4096 form groups of 128 rows: 6144 + 10240 splits, 8160 + 8224 does not.
+    /// assert_eq!(BatchSplit::group_rows(16384, 4096)?, 128);
     /// assert!(BatchSplit::with_rows(&[6144, 10240], 4096).is_ok());
-    /// assert!(BatchSplit::with_rows(&[8010, 8374], 4096).is_err());
+    /// assert!(BatchSplit::with_rows(&[8160, 8224], 4096).is_err());
     /// # Ok::<(), normkern::Error>(())
     /// ```
     pub fn with_rows(rank_rows: &[usize], d: usize) -> Result<Self> {
@@ -116,7 +117,7 @@ impl BatchSplit {
                 what: "rows of the batch",
                 value: usize::MAX,
             })?;
-        let (rows_per_group, groups) = Self::layout(rows, d, rank_rows.len())?;
+        let rows_per_group = Self::layout(rows, d, rank_rows.len())?;
         let mut starts = Vec::with_capacity(rank_rows.len() + 1);
         let mut start = 0usize;
         for (rank, &r) in rank_rows.iter().enumerate() {
@@ -125,9 +126,9 @@ impl BatchSplit {
             if rank + 1 < rank_rows.len() && start % rows_per_group != 0 {
                 return Err(Error::Argument {
                     what: "batch split",
-                    problem: "a rank's rows must begin on a group boundary of the batch's layout: \
+                    problem: "a rank's rows must begin on a group boundary of the batch's layouts: \
                               every rank but the last must hold a multiple of \
-                              group_layout(rows, d).0 rows",
+                              BatchSplit::group_rows(rows, d) rows",
                 });
             }
         }
@@ -135,12 +136,17 @@ impl BatchSplit {
         Ok(BatchSplit {
             d,
             rows_per_group,
-            groups,
             starts,
         })
     }
 
-    fn layout(rows: usize, d: usize, world: usize) -> Result<(usize, usize)> {
+    /// The rows every rank's share but the last must be a multiple of, for a batch of `rows × d`:
+    /// the longest group of the backwards' layouts (dbias's, which is a whole number of dγ's).
+    pub fn group_rows(rows: usize, d: usize) -> Result<usize> {
+        Self::layout(rows, d, 1)
+    }
+
+    fn layout(rows: usize, d: usize, world: usize) -> Result<usize> {
         if world == 0 || world > i32::MAX as usize {
             return Err(Error::Argument {
                 what: "batch split",
@@ -157,7 +163,8 @@ impl BatchSplit {
                 return Err(Error::TooLarge { what, value });
             }
         }
-        Ok(group_layout(rows, d))
+        // Every boundary of dbias's layout is one of dγ's (`GradientsOf::group_layout`).
+        Ok(GradientsOf::Activation.group_layout(rows, d).0)
     }
 
     /// Ranks.
@@ -175,7 +182,8 @@ impl BatchSplit {
         self.d
     }
 
-    /// Rows per dγ group of the batch's layout: every rank's rows begin at a multiple of it.
+    /// Rows per group of the split ([`Self::group_rows`]): every rank's rows begin at a multiple
+    /// of it, a group boundary of every backward's layout.
     pub fn rows_per_group(&self) -> usize {
         self.rows_per_group
     }
@@ -194,47 +202,63 @@ impl BatchSplit {
         }
     }
 
-    /// The batch's dγ groups rank `rank` computes the partial rows of.
-    pub(crate) fn rank_groups(&self, rank: usize) -> Result<Range<usize>> {
+    /// `(rows_per_group, groups)` of `of`'s layout over the whole batch.
+    pub(crate) fn layout_of(&self, of: GradientsOf) -> (usize, usize) {
+        of.group_layout(self.rows(), self.d)
+    }
+
+    /// The batch's groups of `of`'s layout rank `rank` computes the partial rows of.
+    pub(crate) fn rank_groups(&self, rank: usize, of: GradientsOf) -> Result<Range<usize>> {
         let rows = self.rank_rows(rank)?;
-        // Starts are multiples of rows_per_group (≥ 1), the last rank ends at the batch's end.
-        let first = rows.start / self.rows_per_group;
+        let (rows_per_group, _) = self.layout_of(of);
+        // Starts are multiples of every layout's rows per group (≥ 1), the last rank ends at the
+        // batch's end.
+        let first = rows.start / rows_per_group;
         if rows.is_empty() {
             return Ok(first..first);
         }
-        Ok(first..rows.end.div_ceil(self.rows_per_group))
+        Ok(first..rows.end.div_ceil(rows_per_group))
     }
 
-    /// f32 elements of workspace rank `rank` passes to a backward in `mode` with `sums`
+    /// f32 elements of workspace rank `rank` passes to a backward of `of` in `mode` with `sums`
     /// parameter gradients (1: dγ or dbias; 2: dγ and dβ).
-    fn workspace_len(&self, rank: usize, mode: Mode, sums: usize) -> Result<usize> {
+    fn workspace_len(
+        &self,
+        rank: usize,
+        mode: Mode,
+        of: GradientsOf,
+        sums: usize,
+    ) -> Result<usize> {
         let rows = self.rank_rows(rank)?.len();
-        gradient_workspace_len(self.partials(rank, mode)?, rows, self.d, sums)
+        gradient_workspace_len(of, self.partials(rank, mode, of)?, rows, self.d, sums)
     }
 
     /// Workspace (f32 elements) of rank `rank`'s RMSNorm backward in `mode`.
     pub fn rms_norm_workspace_len(&self, rank: usize, mode: Mode) -> Result<usize> {
-        self.workspace_len(rank, mode, 1)
+        self.workspace_len(rank, mode, GradientsOf::Norm, 1)
     }
 
     /// Workspace (f32 elements) of rank `rank`'s LayerNorm backward in `mode` (dγ and dβ).
     pub fn layer_norm_workspace_len(&self, rank: usize, mode: Mode) -> Result<usize> {
-        self.workspace_len(rank, mode, 2)
+        self.workspace_len(rank, mode, GradientsOf::Norm, 2)
     }
 
     /// Workspace (f32 elements) of rank `rank`'s activation backward with dbias in `mode`.
     pub fn activation_workspace_len(&self, rank: usize, mode: Mode) -> Result<usize> {
-        self.workspace_len(rank, mode, 1)
+        self.workspace_len(rank, mode, GradientsOf::Activation, 1)
     }
 
-    /// Where rank `rank`'s partials go in `mode`.
-    pub(crate) fn partials(&self, rank: usize, mode: Mode) -> Result<Partials> {
+    /// Where rank `rank`'s partials of `of` go in `mode`.
+    pub(crate) fn partials(&self, rank: usize, mode: Mode, of: GradientsOf) -> Result<Partials> {
         Ok(match mode {
-            Mode::Exact => Partials::Shard {
-                rows_per_group: self.rows_per_group,
-                first_group: self.rank_groups(rank)?.start,
-                groups: self.groups,
-            },
+            Mode::Exact => {
+                let (rows_per_group, groups) = self.layout_of(of);
+                Partials::Shard {
+                    rows_per_group,
+                    first_group: self.rank_groups(rank, of)?.start,
+                    groups,
+                }
+            }
             Mode::Fast => Partials::OwnSummedAcross,
         })
     }

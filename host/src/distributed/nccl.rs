@@ -11,6 +11,7 @@ use crate::activation::{self, Backward};
 use crate::context::Gpu;
 use crate::error::{Error, Result};
 use crate::norm::NormBackward;
+use crate::plan::GradientsOf;
 use crate::tensor::Dtype;
 use normkern_gpu::norm::Norm;
 
@@ -145,13 +146,15 @@ pub struct DataParallel<'a> {
 /// The NCCL calls of one backward on one stream.
 struct NcclMeet<'a, 'g> {
     dp: DataParallel<'a>,
+    /// Whose partial rows meet: their layout decides each rank's block.
+    of: GradientsOf,
     gpu: &'a Gpu<'g>,
 }
 
 impl Meet for NcclMeet<'_, '_> {
     fn gather(&mut self, partials: u64, groups: usize, sums: usize) -> Result<()> {
         let d = self.dp.split.d;
-        if groups != self.dp.split.groups {
+        if groups != self.dp.split.layout_of(self.of).1 {
             return Err(Error::Internal("gathered groups differ from the split's"));
         }
         let stream = self.gpu.stream().cu_stream() as sys::cudaStream_t;
@@ -160,7 +163,7 @@ impl Meet for NcclMeet<'_, '_> {
         // Each rank broadcasts its block of each sum's partial rows, in place: one grouped
         // all-gather of uneven blocks.
         'ranks: for root in 0..self.dp.comm.world {
-            let mine = self.dp.split.rank_groups(root)?;
+            let mine = self.dp.split.rank_groups(root, self.of)?;
             if mine.is_empty() {
                 continue;
             }
@@ -212,16 +215,18 @@ impl DataParallel<'_> {
         self.split.check_shape(self.comm.rank, rows, d)
     }
 
-    /// Runs `backward` as this rank, its partials and meetings as the mode says.
+    /// Runs `backward` (of `of`'s gradients) as this rank, its partials and meetings as the mode
+    /// says.
     fn run(
         self,
         gpu: &Gpu<'_>,
         (rows, d): (usize, usize),
+        of: GradientsOf,
         backward: impl FnOnce(Across<'_>) -> Result<()>,
     ) -> Result<()> {
         self.check(gpu, rows, d)?;
-        let partials = self.split.partials(self.comm.rank, self.mode)?;
-        let mut meet = NcclMeet { dp: self, gpu };
+        let partials = self.split.partials(self.comm.rank, self.mode, of)?;
+        let mut meet = NcclMeet { dp: self, of, gpu };
         backward(Across {
             partials,
             meet: &mut meet,
@@ -258,7 +263,7 @@ fn norm_backward<'s, T: Dtype, H: Dtype, W: Dtype, G: Dtype>(
     args: NormBackward<'_, Gpu<'s>, T, H, W, G>,
 ) -> Result<()> {
     let shape = (args.x.rows(), args.x.d());
-    dp.run(gpu, shape, |across| {
+    dp.run(gpu, shape, GradientsOf::Norm, |across| {
         crate::norm::backward::run_across(norm, gpu, args, Some(across))
     })
 }
@@ -278,7 +283,7 @@ pub fn activation_backward<'s, T: Dtype>(
         });
     }
     let shape = (args.preact.rows(), args.preact.d());
-    dp.run(gpu, shape, |across| {
+    dp.run(gpu, shape, GradientsOf::Activation, |across| {
         activation::backward_across(gpu, args, Some(across))
     })
 }

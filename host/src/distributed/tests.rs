@@ -9,7 +9,7 @@ use crate::activation::{self, Activation};
 use crate::norm::NormBackward;
 use crate::plan::ParamGradients;
 use crate::{Emulator, Rows};
-use normkern_gpu::column_sum::GROUP_SUMS_SYNC_WORDS;
+use normkern_gpu::column_sum::{GROUP_SUMS_SYNC_WORDS, group_layout};
 use normkern_gpu::norm::Norm;
 
 /// A 16-byte aligned f32 buffer of `n` elements (the emulator plans 16-byte packs where the
@@ -43,6 +43,7 @@ struct Network {
 
 struct EmulatedMeet {
     rank: usize,
+    of: GradientsOf,
     split: BatchSplit,
     network: Arc<Network>,
 }
@@ -54,7 +55,8 @@ impl Meet for EmulatedMeet {
         // SAFETY: the backward validated `len` f32 of workspace at `partials` (a host address in
         // the emulator), which nothing else touches during this call.
         let mine = unsafe { std::slice::from_raw_parts_mut(partials as *mut f32, len) };
-        let groups_of_rank = self.split.rank_groups(self.rank)?;
+        assert_eq!(groups, self.split.layout_of(self.of).1);
+        let groups_of_rank = self.split.rank_groups(self.rank, self.of)?;
         {
             let mut blocks = self.network.blocks.lock().unwrap();
             blocks.resize(len, f32::NAN);
@@ -97,6 +99,13 @@ impl Op {
         match self {
             Op::Norm(norm) => crate::norm::backward::sums(norm),
             Op::Dbias(_) => 1,
+        }
+    }
+
+    fn of(self) -> GradientsOf {
+        match self {
+            Op::Norm(_) => GradientsOf::Norm,
+            Op::Dbias(_) => GradientsOf::Activation,
         }
     }
 
@@ -180,14 +189,17 @@ impl Op {
                     let network = network.clone();
                     scope.spawn(move || {
                         let rows = split.rank_rows(rank).unwrap();
-                        let workspace = split.workspace_len(rank, mode, self.sums()).unwrap();
+                        let workspace = split
+                            .workspace_len(rank, mode, self.of(), self.sums())
+                            .unwrap();
                         let mut meet = EmulatedMeet {
                             rank,
+                            of: self.of(),
                             split: split.clone(),
                             network,
                         };
                         let across = Across {
-                            partials: split.partials(rank, mode).unwrap(),
+                            partials: split.partials(rank, mode, self.of()).unwrap(),
                             meet: &mut meet,
                         };
                         let (x, dy) = (
@@ -211,8 +223,8 @@ fn bits(v: &[f32]) -> Vec<u32> {
 fn check(op: Op, split: &BatchSplit) {
     let (rows, d) = (split.rows(), split.d());
     let (x, dy) = (random(1, rows * d), random(2, rows * d));
-    let workspace =
-        gradient_workspace_len(Partials::Own(ParamGradients::Auto), rows, d, op.sums()).unwrap();
+    let own = Partials::Own(ParamGradients::Auto);
+    let workspace = gradient_workspace_len(op.of(), own, rows, d, op.sums()).unwrap();
     let (whole_dx, whole) = op.run(&x, &dy, (rows, d), workspace, None);
     for (rank, (dx, grads)) in op
         .ranks(&x, &dy, split, Mode::Exact)
@@ -260,12 +272,22 @@ fn exact_mode_gives_the_whole_batchs_bits_on_every_rank() {
     assert_eq!(group_layout(rows, d), (16, 263));
     // A small batch: 200 rows of 64 in groups of one row.
     assert_eq!(group_layout(200, 64), (1, 200));
+    // Rows of 2048: dbias's groups are four of dγ's, and every split keeps to both.
+    assert_eq!(group_layout(300, 2048), (2, 150));
+    assert_eq!(GradientsOf::Activation.group_layout(300, 2048), (8, 38));
     for op in OPS {
         check(op, &BatchSplit::even(rows, d, 2).unwrap());
         // Uneven, on group boundaries.
         check(op, &BatchSplit::with_rows(&[1600, 800, 1800], d).unwrap());
         check(op, &BatchSplit::with_rows(&[48, 97, 55], 64).unwrap());
+        check(op, &BatchSplit::even(300, 2048, 3).unwrap());
+        check(op, &BatchSplit::with_rows(&[16, 200, 84], 2048).unwrap());
     }
+    // dγ's boundary that is not dbias's is no split.
+    assert!(matches!(
+        BatchSplit::with_rows(&[18, 200, 82], 2048),
+        Err(Error::Argument { .. })
+    ));
 }
 
 #[test]
@@ -289,21 +311,27 @@ fn splits_keep_to_group_boundaries() {
         (0, 8, 2),
     ] {
         let split = BatchSplit::even(rows, d, world).unwrap();
-        let (per_group, groups) = group_layout(rows, d);
+        // The split's groups are dbias's, whole numbers of dγ's.
+        let (per_group, groups) = GradientsOf::Activation.group_layout(rows, d);
+        let norm_per_group = group_layout(rows, d).0;
+        assert_eq!(per_group % norm_per_group, 0);
         assert_eq!(
             (split.rows(), split.world(), split.rows_per_group()),
             (rows, world, per_group)
         );
+        assert_eq!(BatchSplit::group_rows(rows, d), Ok(per_group));
         let mut next = 0;
         for rank in 0..world {
             let own = split.rank_rows(rank).unwrap();
             assert_eq!(own.start, next);
             assert!(own.start % per_group == 0 || own.is_empty());
-            let g = split.rank_groups(rank).unwrap();
+            let g = split.rank_groups(rank, GradientsOf::Activation).unwrap();
             assert!(
                 g.len().abs_diff(groups / world) <= 1,
                 "{rows}×{d} / {world}: {g:?}"
             );
+            let norm_groups = split.rank_groups(rank, GradientsOf::Norm).unwrap();
+            assert_eq!(norm_groups.start * norm_per_group, own.start);
             next = own.end;
         }
         assert_eq!(next, rows);
@@ -319,6 +347,11 @@ fn splits_keep_to_group_boundaries() {
     }
     assert!(matches!(
         BatchSplit::with_rows(&[8010, 8374], 4096),
+        Err(Error::Argument { .. })
+    ));
+    // A boundary of dγ's groups of 32 rows but not of dbias's of 128.
+    assert!(matches!(
+        BatchSplit::with_rows(&[8160, 8224], 4096),
         Err(Error::Argument { .. })
     ));
     assert!(matches!(
@@ -348,10 +381,15 @@ fn workspaces_hold_the_batchs_partials_in_exact_mode_and_the_ranks_own_in_fast_m
         split.layer_norm_workspace_len(0, Mode::Exact),
         Ok(SYNC + 2 * 512 * 4096)
     );
-    // 8192 rows of 4096: 512 groups of 16 rows, and one row of fp32 sums per gradient.
+    // Exact: dbias's 128 groups of 128 rows. Fast: 8192 rows of 4096, dbias in 128 groups of
+    // 64 rows (dγ's: 512 of 16), and one row of fp32 sums per gradient.
+    assert_eq!(
+        split.activation_workspace_len(1, Mode::Exact),
+        Ok(SYNC + 128 * 4096)
+    );
     assert_eq!(
         split.activation_workspace_len(0, Mode::Fast),
-        Ok(SYNC + 513 * 4096)
+        Ok(SYNC + 129 * 4096)
     );
     assert_eq!(
         split.layer_norm_workspace_len(1, Mode::Fast),

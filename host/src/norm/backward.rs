@@ -10,9 +10,9 @@ use crate::distributed::{Across, launch_backward};
 use crate::error::{Error, Result};
 use crate::executor::{Device, Executor, Launch, optional_input, optional_output};
 use crate::plan::{
-    CLUSTER_SIZES, GradientPlan, GradientsOf, ParamGradients, Partials, STREAM_THREADS,
-    check_gradients, gradient_plan, gradient_workspace_len, max_block_threads, packs_fit,
-    persistent_grid,
+    BlockSizes, CLUSTER_SIZES, GradientPlan, GradientsOf, PREFERRED_THREADS, ParamGradients,
+    Partials, STREAM_THREADS, check_gradients, gradient_plan, gradient_workspace_len,
+    max_block_threads, packs_fit, persistent_grid,
 };
 use crate::tensor::{Buffer, Dtype, Rows, expect_len};
 
@@ -142,7 +142,13 @@ impl<'a, E: Executor, T: Dtype, H: Dtype, W: Dtype, G: Dtype> NormBackward<'a, E
 /// f32 elements of workspace a backward of `norm` over `rows × d` needs: the single launch's
 /// counters, one partial row of dγ per group of rows, and for LayerNorm as many of dβ.
 pub(crate) fn workspace_len(norm: Norm, rows: usize, d: usize) -> Result<usize> {
-    gradient_workspace_len(Partials::Own(ParamGradients::Auto), rows, d, sums(norm))
+    gradient_workspace_len(
+        GradientsOf::Norm,
+        Partials::Own(ParamGradients::Auto),
+        rows,
+        d,
+        sums(norm),
+    )
 }
 
 /// The parameter gradients of `norm`'s backward: dγ, and LayerNorm's dβ.
@@ -250,7 +256,7 @@ pub(crate) fn run_across<E: Executor, T: Dtype, H: Dtype, W: Dtype, G: Dtype>(
         }
     };
     check_gradients(partials, G::KERNEL, T::KERNEL)?;
-    let needed = gradient_workspace_len(partials, rows, d, sums(norm))?;
+    let needed = gradient_workspace_len(GradientsOf::Norm, partials, rows, d, sums(norm))?;
     if args.workspace.elements() < needed {
         return Err(Error::WorkspaceTooSmall {
             needed,
@@ -441,7 +447,10 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
                 work: gradients.groups,
                 cluster_sizes,
                 fewest_accesses: 1,
-                stream_threads: STREAM_THREADS,
+                block_sizes: BlockSizes {
+                    preferred: PREFERRED_THREADS,
+                    stream: STREAM_THREADS,
+                },
                 items_per_team: false,
                 forward_row_bytes: None,
                 params,

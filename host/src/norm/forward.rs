@@ -8,7 +8,7 @@ use normkern_gpu::norm::{
 use super::{RowLaunch, check_config, inv, params_f32, stored_f32, stride_in_elems};
 use crate::error::{Error, Result};
 use crate::executor::{Device, Executor, Launch, optional_input, optional_output};
-use crate::plan::{CLUSTER_SIZES, packs_fit};
+use crate::plan::{BlockSizes, CLUSTER_SIZES, PREFERRED_THREADS, packs_fit};
 use crate::tensor::{Buffer, Dtype, Rows, expect_len};
 
 /// The arguments of a norm forward ([`crate::rms_norm::forward`], [`crate::layer_norm::forward`]):
@@ -304,7 +304,10 @@ pub(crate) fn plan(
             &[]
         },
         fewest_accesses: forward_fewest_accesses(centered, key.residual),
-        stream_threads: forward_stream_threads(key.residual, d.saturating_mul(bytes)),
+        block_sizes: BlockSizes {
+            preferred: PREFERRED_THREADS,
+            stream: forward_stream_threads(key.residual, d.saturating_mul(bytes)),
+        },
         items_per_team: true,
         forward_row_bytes: Some(d.saturating_mul(row_bytes_per_element)),
         params,

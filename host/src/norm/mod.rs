@@ -50,7 +50,7 @@ use normkern_gpu::norm::{
 
 use crate::error::{Error, Result};
 use crate::executor::{Device, Launch};
-use crate::plan::{RowTile, full_grid, max_block_threads, persistent_grid, row_tile};
+use crate::plan::{BlockSizes, RowTile, full_grid, max_block_threads, persistent_grid, row_tile};
 use crate::tensor::Dtype;
 
 /// eps as PyTorch's LayerNorm defaults it.
@@ -129,8 +129,8 @@ pub(crate) struct RowLaunch<P: 'static> {
     pub cluster_sizes: &'static [usize],
     /// Register tiles with fewer accesses per thread are passed over.
     pub fewest_accesses: usize,
-    /// The most threads of a streaming block.
-    pub stream_threads: usize,
+    /// The block sizes the tile is picked within.
+    pub block_sizes: BlockSizes,
     /// How a block of segment teams takes its work: each team its own item (rows: a block
     /// covers `SEGMENT_THREADS / lanes` of them), or the block one item (a group of rows).
     pub items_per_team: bool,
@@ -223,7 +223,7 @@ impl<P: Copy> RowLaunch<P> {
                 len,
                 &register_tiles[..tiles],
                 (self.cluster_sizes, max_cluster),
-                self.stream_threads,
+                self.block_sizes,
                 |vpt, cluster| kernel(vpt, cluster, 0).map(limit).transpose(),
                 wide_first,
             )
@@ -233,6 +233,7 @@ impl<P: Copy> RowLaunch<P> {
             base,
             self.d,
             (self.cluster_sizes.as_ptr() as usize, max_cluster),
+            self.block_sizes,
         );
         let RowTile {
             vpt,

@@ -3,7 +3,7 @@
 
 use super::functions::{apply_stored, grad_stored};
 use crate::arch;
-use crate::column_sum::{GroupSums, finish_group_sums, store_group_partials};
+use crate::column_sum::{GroupSums, finish_group_sums, group_layout, store_group_partials};
 use crate::element::{Access, Element, Pack, row_addr};
 
 /// Launch parameters of every activation kernel: up to three row inputs and two row outputs, each
@@ -206,6 +206,44 @@ pub unsafe fn backward<T: Element, const VEC: bool, const ACT: u32>(p: &Params) 
 /// rows of dy and preact are 256 bytes per thread with 16-byte packs, and half as many round trips
 /// per work item as four: the sum's order does not depend on it (rows are still added in order).
 const DBIAS_ROWS_IN_FLIGHT: usize = 8;
+
+/// Rows of at least this many elements take wide work items: [`DBIAS_WIDE_SLICES`] row slices
+/// of a block each walk as many rows of the group as one thread walks in the norms' layout
+/// ([`group_layout`]), on a quarter of the columns, so the group is that many times longer and
+/// writes a quarter of the partial rows (16384×4096: 2 MiB of f32 written and read again instead
+/// of 8 MiB, beside 384 MiB of dy, preact and dx).
+pub const DBIAS_WIDE_ROW_ELEMS: usize = 2048;
+/// Row slices of a wide row's work item, and how many of the norms' groups make one of dbias's.
+pub const DBIAS_WIDE_SLICES: usize = 4;
+
+/// `(rows_per_group, groups)` of dbias's partial rows for `rows × d`: like [`group_layout`], a
+/// function of the shape alone, so dbias is the same bits on every grid and GPU; rows of at
+/// least [`DBIAS_WIDE_ROW_ELEMS`] elements take groups of [`DBIAS_WIDE_SLICES`] of the norms'
+/// groups, so every boundary of this layout is one of the norms' too.
+pub fn dbias_group_layout(rows: usize, d: usize) -> (usize, usize) {
+    let (per_group, groups) = group_layout(rows, d);
+    if d < DBIAS_WIDE_ROW_ELEMS {
+        return (per_group, groups);
+    }
+    let per_group = per_group.saturating_mul(DBIAS_WIDE_SLICES);
+    (per_group, rows.div_ceil(per_group))
+}
+
+/// Accesses of a row per [`backward_dbias`] work item (`Params::columns`) for rows of `d`
+/// elements, `per_row` accesses each, in blocks of `threads`: rows narrower than a block share
+/// it as row slices (a power of two of accesses each); wide rows take [`DBIAS_WIDE_SLICES`]
+/// slices ([`dbias_group_layout`]). Only the shape decides, so the sums' order never changes
+/// from one GPU or grid to another.
+pub const fn dbias_columns(d: usize, per_row: usize, threads: usize) -> usize {
+    let fit = per_row.next_power_of_two();
+    if d >= DBIAS_WIDE_ROW_ELEMS {
+        threads / DBIAS_WIDE_SLICES
+    } else if fit < threads {
+        fit
+    } else {
+        threads
+    }
+}
 
 /// Bytes of dynamic shared memory [`backward_dbias`] takes with `threads` per block: every
 /// thread's partial sums, for the fixed-order combination of a group's row slices.

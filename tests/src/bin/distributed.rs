@@ -61,7 +61,7 @@ fn main() {
                             let mut us = |mode| time(ctx.cuda(), &stream, 10, 50, |_| call(mode)).device_us;
                             let (alone, exact, fast) = (us(None), us(Some(Mode::Exact)), us(Some(Mode::Fast)));
                             let sums = 1 + layer as usize;
-                            let groups = split.rows_per_group();
+                            let groups = normkern::group_layout(rows, d).0;
                             let all_groups = rows.div_ceil(groups);
                             let own_groups = mine.div_ceil(groups);
                             let exact_bytes = (all_groups - own_groups) * d * 4 * sums;

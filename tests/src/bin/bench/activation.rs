@@ -21,11 +21,15 @@ struct Set {
     out1: CudaSlice<bf16>,
 }
 
-/// The activation shapes the bench measures (`--quick`: the first).
+/// The activation shapes the bench measures (`--quick`: the first; `--shapes` others).
 const SHAPES: [(usize, usize); 2] = [(16384, 4096), (1048576, 128)];
 
 pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measurement> {
-    let shapes = if s.quick { &SHAPES[..1] } else { &SHAPES[..] };
+    let shapes = match &s.shapes {
+        Some(shapes) => &shapes[..],
+        None if s.quick => &SHAPES[..1],
+        None => &SHAPES[..],
+    };
     shapes
         .iter()
         .flat_map(|&(rows, d)| run_shape(ctx, stream, s, rows, d))
