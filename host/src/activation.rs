@@ -573,7 +573,7 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
             partials,
             // A dbias work item is a group × `columns` accesses of its rows, the block taking
             // THREADS / columns of the group's rows at once (`dbias_columns`).
-            columns: dbias_columns(d, per_row, THREADS) as u32,
+            columns: dbias_columns(d, rows_per_group, per_row, THREADS) as u32,
             ..Params::default()
         };
         for (i, (address, stride)) in inputs.iter().enumerate() {

@@ -403,11 +403,9 @@ fn matches_reference<B: Backend, T: TestDtype>(
 /// element access), 40 rows (3 dbias groups, more row slices than a group has rows), 600
 /// padded rows of 256 (dbias groups of 16 rows taken by 4 or 8 row slices, the last group short),
 /// 2900 single-element rows of 200 (groups of 12 rows, one slice each: a full batch of rows
-/// in flight, then a short one; the last group 8 rows), and wide rows (dbias's own groups of four
-/// of dγ's, four row slices of 64 accesses): 150 rows of 2304 in packs (groups of 4 rows, the
-/// last of 2; 288 packs a row, so the fifth item of a group has 32 columns), 300 single-element
-/// rows of 2048 (groups of 8 rows, the last of 4).
-const EMULATOR_SHAPES: [Shape; 8] = [
+/// in flight, then a short one; the last group 8 rows), and a small batch of wide rows (150 rows
+/// of 2304 in groups of one row, one slice of 256 packs and one of 32).
+const EMULATOR_SHAPES: [Shape; 7] = [
     (3, 7, 7, 0),
     (17, 64, 72, 0),
     (5, 33, 40, 1),
@@ -415,7 +413,6 @@ const EMULATOR_SHAPES: [Shape; 8] = [
     (600, 256, 260, 0),
     (2900, 200, 200, 1),
     (150, 2304, 2304, 0),
-    (300, 2048, 2056, 1),
 ];
 
 fn emulator_matches_reference<T: TestDtype>() {
@@ -431,6 +428,20 @@ fn emulator_matches_reference<T: TestDtype>() {
 fn emulator_matches_reference_f32() {
     emulator_matches_reference::<f32>();
 }
+
+/// Wide rows in dbias's own groups (four of dγ's 16 rows: four row slices of 64 accesses each
+/// walking 16 rows, the last group 4 rows): 4100 rows of 2304 in packs (288 a row, so the fifth
+/// item of a group has 32 columns) and of 2048 single elements, one activation (the emulator
+/// takes a while over 9 Mi elements).
+#[test]
+fn emulator_dbias_wide_groups_match_reference() {
+    let backends = [
+        Host(Emulator::new()),
+        Host(Emulator::new().with_grid_limit(3).unwrap()),
+    ];
+    let shapes = [(4100, 2304, 2304, 0), (4100, 2048, 2056, 1)];
+    matches_reference::<_, bf16>(&backends, &shapes, &[Activation::GeluErf]);
+}
 #[test]
 fn emulator_matches_reference_f16() {
     emulator_matches_reference::<f16>();
@@ -440,11 +451,12 @@ fn emulator_matches_reference_bf16() {
     emulator_matches_reference::<bf16>();
 }
 
-const GPU_SHAPES: [Shape; 8] = [
+const GPU_SHAPES: [Shape; 9] = [
     (4096, 4096, 4096, 0),
-    // dbias groups of 48 rows, four row slices of 12: a full batch of rows in flight, then a
-    // short one.
+    // dbias groups of 12 rows, one row slice each: a full batch of rows in flight, then a short one.
     (2900, 2048, 2048, 0),
+    // dbias's own groups of 64 rows (four row slices of 16 rows), the last of 4.
+    (4100, 4096, 4096, 0),
     // Narrow rows: dbias groups of 64 rows over 16 (bf16) or 32 (f32) row slices of a block.
     (65536, 128, 128, 0),
     (30000, 100, 104, 0),
@@ -487,11 +499,11 @@ fn gpu_dbias_is_bitwise_repeatable_and_grid_invariant() {
         Device::new(&small, stream),
     ];
     // A row a block's threads cover, narrow rows summed by 16 row slices of a block, and padded
-    // wide rows in dbias's own groups (48 rows, four row slices; the last group 24 rows).
+    // wide rows in dbias's own groups (64 rows, four row slices; the last group 4 rows).
     let shapes = [
         (16384, 1024, 1024, 0),
         (262144, 128, 128, 0),
-        (3000, 4096, 4104, 0),
+        (4100, 4096, 4104, 0),
     ];
     matches_reference::<_, bf16>(&backends, &shapes, &[Activation::GeluTanh]);
 }

@@ -2,7 +2,10 @@
 //! sum of the dγ and dβ partials).
 
 use normkern_gpu::kernel::Dtype as KernelDtype;
-use normkern_gpu::norm::policy::{block_takes_ring, has_ring_instance, plain_adds_dresidual};
+use normkern_gpu::norm::policy::{
+    BACKWARD_WIDE_ROW_THREADS, backward_prefers_wide_blocks, block_takes_ring, has_ring_instance,
+    plain_adds_dresidual,
+};
 use normkern_gpu::norm::{BACKWARD, BackwardParams, Norm, NormKey, STREAM};
 
 use super::{RowLaunch, check_config, inv, params_f32, stored_f32, stride_in_elems};
@@ -432,6 +435,10 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
             dresidual_stride: call.dresidual.1 as u64,
             sums: gradients.group_sums,
         };
+        let len = if vec { 16 / call.key.dtype.bytes() } else { 1 };
+        let plain = |residual: bool| !residual && call.dresidual.0 == 0;
+        let wide_blocks =
+            |residual: bool| backward_prefers_wide_blocks(plain(residual), vec, d.div_ceil(len));
         let row_launch = |residual: bool, cluster_sizes| {
             RowLaunch {
                 table: &BACKWARD,
@@ -448,7 +455,11 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
                 cluster_sizes,
                 fewest_accesses: 1,
                 block_sizes: BlockSizes {
-                    preferred: PREFERRED_THREADS,
+                    preferred: if wide_blocks(residual) {
+                        BACKWARD_WIDE_ROW_THREADS
+                    } else {
+                        PREFERRED_THREADS
+                    },
                     stream: STREAM_THREADS,
                 },
                 items_per_team: false,
@@ -754,10 +765,11 @@ pub(crate) mod tests {
             let rows = plan(&c, &H200).unwrap().rows.unwrap();
             (rows.kernel.name, rows.block, rows.cluster)
         };
-        // 32768 bf16: 4 packs × 256 threads × 4 blocks, or 2 packs over 8 blocks for RMSNorm.
+        // 32768 bf16: 4 packs × 256 threads × 4 blocks, or for RMSNorm's plain backward one pack
+        // × 512 threads over 8 blocks (`backward_prefers_wide_blocks`).
         assert_eq!(
             tile(Norm::Rms, 32768, false),
-            ("rms_norm_bwd_bf16_v2c", 256, 8)
+            ("rms_norm_bwd_bf16_v1c", 512, 8)
         );
         assert_eq!(
             tile(Norm::Layer, 32768, false),
@@ -776,6 +788,33 @@ pub(crate) mod tests {
             tile(Norm::Rms, 65536, false),
             ("rms_norm_bwd_bf16_v4c", 256, 8)
         );
+    }
+
+    /// Rows wider than 8 KiB: the plain backward's blocks take 512 threads (16 warps of 2 packs
+    /// a thread, not 8 of 4 at 255 registers); with a dresidual, and rows of 4096, 256.
+    #[test]
+    fn plain_backwards_of_wide_rows_prefer_blocks_of_512() {
+        let tile = |norm, d, dtype: KernelDtype, dresidual: bool| {
+            let mut c = call(norm, 2048, d);
+            c.key.dtype = dtype;
+            if dresidual {
+                c.dresidual = (10 << 20, d);
+            }
+            let rows = plan(&c, &H200).unwrap().rows.unwrap();
+            (rows.kernel.name, rows.block, rows.cluster)
+        };
+        for (norm, name) in [(Norm::Rms, "rms_norm"), (Norm::Layer, "layer_norm")] {
+            let v = |vpt| format!("{name}_bwd_bf16_v{vpt}");
+            let t = tile(norm, 8192, KernelDtype::Bf16, false);
+            assert_eq!((t.0, t.1, t.2), (&*v(2), 512, 1));
+            let t = tile(norm, 8192, KernelDtype::Bf16, true);
+            assert_eq!((t.0, t.1, t.2), (&*v(4), 256, 1));
+            let t = tile(norm, 4096, KernelDtype::Bf16, false);
+            assert_eq!((t.0, t.1, t.2), (&*v(2), 256, 1));
+            // f32 rows of 4096 are 16 KiB, as bf16 rows of 8192.
+            let t = tile(norm, 4096, KernelDtype::F32, false);
+            assert_eq!((t.0, t.1), (&*format!("{name}_bwd_f32_v2"), 512));
+        }
     }
 
     #[test]

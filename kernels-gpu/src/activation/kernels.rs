@@ -3,7 +3,9 @@
 
 use super::functions::{apply_stored, grad_stored};
 use crate::arch;
-use crate::column_sum::{GroupSums, finish_group_sums, group_layout, store_group_partials};
+use crate::column_sum::{
+    GroupSums, MIN_ROWS_PER_GROUP, finish_group_sums, group_layout, store_group_partials,
+};
 use crate::element::{Access, Element, Pack, row_addr};
 
 /// Launch parameters of every activation kernel: up to three row inputs and two row outputs, each
@@ -207,22 +209,24 @@ pub unsafe fn backward<T: Element, const VEC: bool, const ACT: u32>(p: &Params) 
 /// per work item as four: the sum's order does not depend on it (rows are still added in order).
 const DBIAS_ROWS_IN_FLIGHT: usize = 8;
 
-/// Rows of at least this many elements take wide work items: [`DBIAS_WIDE_SLICES`] row slices
-/// of a block each walk as many rows of the group as one thread walks in the norms' layout
-/// ([`group_layout`]), on a quarter of the columns, so the group is that many times longer and
-/// writes a quarter of the partial rows (16384×4096: 2 MiB of f32 written and read again instead
-/// of 8 MiB, beside 384 MiB of dy, preact and dx).
+/// Rows of at least this many elements, in groups of at least [`MIN_ROWS_PER_GROUP`] in the
+/// norms' layout ([`group_layout`]), take wide work items: [`DBIAS_WIDE_SLICES`] row slices of a
+/// block each walk as many rows of the group as one thread walks in the norms' layout, on a
+/// quarter of the columns, so the group is that many times longer and writes a quarter of the
+/// partial rows (16384×4096: 2 MiB of f32 written and read again instead of 8 MiB, beside 384 MiB
+/// of dy, preact and dx). Smaller groups (small batches) leave each slice too few rows to pay
+/// for adding the slices' sums together.
 pub const DBIAS_WIDE_ROW_ELEMS: usize = 2048;
 /// Row slices of a wide row's work item, and how many of the norms' groups make one of dbias's.
 pub const DBIAS_WIDE_SLICES: usize = 4;
 
 /// `(rows_per_group, groups)` of dbias's partial rows for `rows × d`: like [`group_layout`], a
-/// function of the shape alone, so dbias is the same bits on every grid and GPU; rows of at
-/// least [`DBIAS_WIDE_ROW_ELEMS`] elements take groups of [`DBIAS_WIDE_SLICES`] of the norms'
-/// groups, so every boundary of this layout is one of the norms' too.
+/// function of the shape alone, so dbias is the same bits on every grid and GPU. Where wide work
+/// items serve ([`DBIAS_WIDE_ROW_ELEMS`]) its groups are [`DBIAS_WIDE_SLICES`] of the norms'
+/// groups, elsewhere the norms' own: every boundary of this layout is one of the norms' too.
 pub fn dbias_group_layout(rows: usize, d: usize) -> (usize, usize) {
     let (per_group, groups) = group_layout(rows, d);
-    if d < DBIAS_WIDE_ROW_ELEMS {
+    if d < DBIAS_WIDE_ROW_ELEMS || per_group < MIN_ROWS_PER_GROUP {
         return (per_group, groups);
     }
     let per_group = per_group.saturating_mul(DBIAS_WIDE_SLICES);
@@ -230,13 +234,20 @@ pub fn dbias_group_layout(rows: usize, d: usize) -> (usize, usize) {
 }
 
 /// Accesses of a row per [`backward_dbias`] work item (`Params::columns`) for rows of `d`
-/// elements, `per_row` accesses each, in blocks of `threads`: rows narrower than a block share
-/// it as row slices (a power of two of accesses each); wide rows take [`DBIAS_WIDE_SLICES`]
-/// slices ([`dbias_group_layout`]). Only the shape decides, so the sums' order never changes
-/// from one GPU or grid to another.
-pub const fn dbias_columns(d: usize, per_row: usize, threads: usize) -> usize {
+/// elements, `per_row` accesses each, in groups of `rows_per_group` ([`dbias_group_layout`]'s,
+/// of the whole batch), in blocks of `threads`: rows narrower than a block share it as row slices
+/// (a power of two of accesses each); wide rows in long groups take [`DBIAS_WIDE_SLICES`] slices
+/// (the layout's wide groups have at least `DBIAS_WIDE_SLICES · MIN_ROWS_PER_GROUP` rows, its
+/// others fewer than `MIN_ROWS_PER_GROUP`). Only the shape decides, so the sums' order never
+/// changes from one GPU or grid to another.
+pub const fn dbias_columns(
+    d: usize,
+    rows_per_group: usize,
+    per_row: usize,
+    threads: usize,
+) -> usize {
     let fit = per_row.next_power_of_two();
-    if d >= DBIAS_WIDE_ROW_ELEMS {
+    if d >= DBIAS_WIDE_ROW_ELEMS && rows_per_group >= DBIAS_WIDE_SLICES * MIN_ROWS_PER_GROUP {
         threads / DBIAS_WIDE_SLICES
     } else if fit < threads {
         fit
