@@ -512,7 +512,9 @@ pub(crate) mod tests {
             _ if name.starts_with("column_sum") => 32,
             (true, "v1" | "v1c" | "s1") => 80,
             (true, "v2" | "s2") => 124,
-            (true, "v2c") => 159,
+            // RMSNorm's 2-pack cluster tile fits 512 threads, LayerNorm's does not.
+            (true, "v2c") if name.starts_with("rms_norm") => 113,
+            (true, "v2c") => 164,
             (true, "v4" | "s4") => 235,
             (true, "v4c") => 254,
             (true, _) => 79,
@@ -779,14 +781,24 @@ pub(crate) mod tests {
             tile(Norm::Rms, 32768, true),
             ("rms_norm_bwd_bf16_v4c", 256, 4)
         );
-        // Clusters of 2 and 8 are RMSNorm's as before.
+        // Clusters of 2 and 8 are RMSNorm's as before, of 512-thread blocks (its 2-pack cluster
+        // tile fits them) for the plain backward, of 256 with a dresidual.
         assert_eq!(
             tile(Norm::Rms, 16384, false),
+            ("rms_norm_bwd_bf16_v2c", 512, 2)
+        );
+        assert_eq!(
+            tile(Norm::Rms, 16384, true),
             ("rms_norm_bwd_bf16_v4c", 256, 2)
         );
         assert_eq!(
             tile(Norm::Rms, 65536, false),
-            ("rms_norm_bwd_bf16_v4c", 256, 8)
+            ("rms_norm_bwd_bf16_v2c", 512, 8)
+        );
+        // LayerNorm's 2-pack cluster tile (164 registers) does not: 256 threads of 4.
+        assert_eq!(
+            tile(Norm::Layer, 16384, false),
+            ("layer_norm_bwd_bf16_v4c", 256, 2)
         );
     }
 
