@@ -435,10 +435,12 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
             dresidual_stride: call.dresidual.1 as u64,
             sums: gradients.group_sums,
         };
-        let len = if vec { 16 / call.key.dtype.bytes() } else { 1 };
+        let bytes = call.key.dtype.bytes();
+        let len = if vec { 16 / bytes } else { 1 };
         let plain = |residual: bool| !residual && call.dresidual.0 == 0;
-        let wide_blocks =
-            |residual: bool| backward_prefers_wide_blocks(plain(residual), vec, d.div_ceil(len));
+        let wide_blocks = |residual: bool| {
+            backward_prefers_wide_blocks(plain(residual), vec, bytes, d.div_ceil(len))
+        };
         let row_launch = |residual: bool, cluster_sizes| {
             RowLaunch {
                 table: &BACKWARD,
@@ -802,8 +804,9 @@ pub(crate) mod tests {
         );
     }
 
-    /// Rows wider than 8 KiB: the plain backward's blocks take 512 threads (16 warps of 2 packs
-    /// a thread, not 8 of 4 at 255 registers); with a dresidual, and rows of 4096, 256.
+    /// 16-bit rows wider than 4096: the plain backward's blocks take 512 threads (16 warps of 2
+    /// packs a thread, not 8 of 4 at 255 registers); with a dresidual, rows of 4096 and f32 rows,
+    /// 256.
     #[test]
     fn plain_backwards_of_wide_rows_prefer_blocks_of_512() {
         let tile = |norm, d, dtype: KernelDtype, dresidual: bool| {
@@ -823,9 +826,11 @@ pub(crate) mod tests {
             assert_eq!((t.0, t.1, t.2), (&*v(4), 256, 1));
             let t = tile(norm, 4096, KernelDtype::Bf16, false);
             assert_eq!((t.0, t.1, t.2), (&*v(2), 256, 1));
-            // f32 rows of 4096 are 16 KiB, as bf16 rows of 8192.
+            let t = tile(norm, 8192, KernelDtype::F16, false);
+            assert_eq!((t.0, t.1), (&*format!("{name}_bwd_f16_v2"), 512));
+            // f32 rows of 4096 are 16 KiB, as 16-bit rows of 8192, but keep 256 threads.
             let t = tile(norm, 4096, KernelDtype::F32, false);
-            assert_eq!((t.0, t.1), (&*format!("{name}_bwd_f32_v2"), 512));
+            assert_eq!((t.0, t.1), (&*format!("{name}_bwd_f32_v4"), 256));
         }
     }
 
