@@ -81,7 +81,7 @@ impl BatchSplit {
     /// # Ok::<(), normkern::Error>(())
     /// ```
     pub fn even(rows: usize, d: usize, world: usize) -> Result<Self> {
-        let rows_per_group = Self::layout(rows, d, world)?;
+        let rows_per_group = Self::checked_group_rows(rows, d, world)?;
         let groups = rows.div_ceil(rows_per_group);
         // Rank r begins at group ⌊r·groups/world⌋ (world < 2³¹, groups ≤ 8192: no overflow).
         let starts = (0..=world)
@@ -117,7 +117,7 @@ impl BatchSplit {
                 what: "rows of the batch",
                 value: usize::MAX,
             })?;
-        let rows_per_group = Self::layout(rows, d, rank_rows.len())?;
+        let rows_per_group = Self::checked_group_rows(rows, d, rank_rows.len())?;
         let mut starts = Vec::with_capacity(rank_rows.len() + 1);
         let mut start = 0usize;
         for (rank, &r) in rank_rows.iter().enumerate() {
@@ -143,10 +143,10 @@ impl BatchSplit {
     /// The rows every rank's share but the last must be a multiple of, for a batch of `rows × d`:
     /// the longest group of the backwards' layouts (dbias's, which is a whole number of dγ's).
     pub fn group_rows(rows: usize, d: usize) -> Result<usize> {
-        Self::layout(rows, d, 1)
+        Self::checked_group_rows(rows, d, 1)
     }
 
-    fn layout(rows: usize, d: usize, world: usize) -> Result<usize> {
+    fn checked_group_rows(rows: usize, d: usize, world: usize) -> Result<usize> {
         if world == 0 || world > i32::MAX as usize {
             return Err(Error::Argument {
                 what: "batch split",

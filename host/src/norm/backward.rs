@@ -435,11 +435,9 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
             dresidual_stride: call.dresidual.1 as u64,
             sums: gradients.group_sums,
         };
-        let bytes = call.key.dtype.bytes();
-        let len = if vec { 16 / bytes } else { 1 };
         let plain = |residual: bool| !residual && call.dresidual.0 == 0;
         let wide_blocks = |residual: bool| {
-            backward_prefers_wide_blocks(plain(residual), vec, bytes, d.div_ceil(len))
+            backward_prefers_wide_blocks(plain(residual), vec, call.key.dtype.bytes(), d)
         };
         let row_launch = |residual: bool, cluster_sizes| {
             RowLaunch {

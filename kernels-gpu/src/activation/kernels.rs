@@ -226,20 +226,28 @@ pub const DBIAS_WIDE_SLICES: usize = 4;
 /// groups, elsewhere the norms' own: every boundary of this layout is one of the norms' too.
 pub fn dbias_group_layout(rows: usize, d: usize) -> (usize, usize) {
     let (per_group, groups) = group_layout(rows, d);
-    if d < DBIAS_WIDE_ROW_ELEMS || per_group < MIN_ROWS_PER_GROUP {
-        return (per_group, groups);
+    let wide = per_group.saturating_mul(DBIAS_WIDE_SLICES);
+    if dbias_wide_items(d, wide) {
+        (wide, rows.div_ceil(wide))
+    } else {
+        (per_group, groups)
     }
-    let per_group = per_group.saturating_mul(DBIAS_WIDE_SLICES);
-    (per_group, rows.div_ceil(per_group))
+}
+
+/// Whether dbias's groups of `rows_per_group` rows of `d` elements take wide work items: rows of
+/// at least [`DBIAS_WIDE_ROW_ELEMS`], each slice walking at least [`MIN_ROWS_PER_GROUP`] rows. The
+/// one test behind both [`dbias_group_layout`] and [`dbias_columns`]: the norms' groups are
+/// shorter than `MIN_ROWS_PER_GROUP` wherever the layout keeps them, so a kept group never
+/// passes it.
+const fn dbias_wide_items(d: usize, rows_per_group: usize) -> bool {
+    d >= DBIAS_WIDE_ROW_ELEMS && rows_per_group >= DBIAS_WIDE_SLICES * MIN_ROWS_PER_GROUP
 }
 
 /// Accesses of a row per [`backward_dbias`] work item (`Params::columns`) for rows of `d`
 /// elements, `per_row` accesses each, in groups of `rows_per_group` ([`dbias_group_layout`]'s,
 /// of the whole batch), in blocks of `threads`: rows narrower than a block share it as row slices
-/// (a power of two of accesses each); wide rows in long groups take [`DBIAS_WIDE_SLICES`] slices
-/// (the layout's wide groups have at least `DBIAS_WIDE_SLICES · MIN_ROWS_PER_GROUP` rows, its
-/// others fewer than `MIN_ROWS_PER_GROUP`). Only the shape decides, so the sums' order never
-/// changes from one GPU or grid to another.
+/// (a power of two of accesses each); the layout's wide groups take [`DBIAS_WIDE_SLICES`] slices.
+/// Only the shape decides, so the sums' order never changes from one GPU or grid to another.
 pub const fn dbias_columns(
     d: usize,
     rows_per_group: usize,
@@ -247,7 +255,7 @@ pub const fn dbias_columns(
     threads: usize,
 ) -> usize {
     let fit = per_row.next_power_of_two();
-    if d >= DBIAS_WIDE_ROW_ELEMS && rows_per_group >= DBIAS_WIDE_SLICES * MIN_ROWS_PER_GROUP {
+    if dbias_wide_items(d, rows_per_group) {
         threads / DBIAS_WIDE_SLICES
     } else if fit < threads {
         fit

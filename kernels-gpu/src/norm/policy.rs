@@ -229,27 +229,27 @@ pub const fn backward_prefetches(wide: bool, vpt: usize) -> bool {
     !(wide && vpt >= 4)
 }
 
-/// 16-byte accesses of a row past which a plain backward (no residual family, no dresidual) of
-/// 16-bit elements prefers blocks of [`BACKWARD_WIDE_ROW_THREADS`]: rows of more than 4096
-/// elements, whose 256-thread tile would be the widest (4 accesses a thread at 255 registers: one
+/// Elements of a row past which a plain backward (no residual family, no dresidual) of 16-bit
+/// elements in 16-byte packs prefers blocks of [`BACKWARD_WIDE_ROW_THREADS`]: rows of more than
+/// 512 packs, whose 256-thread tile would be the widest (4 accesses a thread at 255 registers: one
 /// block of 8 warps per SM, with nothing to run while it reduces a row). 512 threads of 2 accesses
 /// (126 registers) keep 16 warps, and clusters of them split wider rows. Rows of 4096 lost with
 /// 512 threads of one access, the residual families lost everywhere, and f32 rows were mixed
 /// (8192 gained 2.7, 4096 and 16384 lost 0.5 and 2.4): they keep 256 (`bench-results/h200.md`,
 /// forty-sixth session).
-pub const BACKWARD_WIDE_ROW_ACCESSES: usize = 512;
+pub const BACKWARD_WIDE_ROW_ELEMS: usize = 4096;
 pub const BACKWARD_WIDE_ROW_THREADS: usize = 512;
 
-/// Whether a backward's row of `accesses` accesses (16-byte packs: `vec`) of `elem_bytes`-byte
-/// elements prefers blocks of [`BACKWARD_WIDE_ROW_THREADS`] ([`BACKWARD_WIDE_ROW_ACCESSES`]);
-/// `plain`: no residual family and no dresidual.
+/// Whether a backward's row of `d` elements of `elem_bytes` bytes (in 16-byte packs: `vec`)
+/// prefers blocks of [`BACKWARD_WIDE_ROW_THREADS`] ([`BACKWARD_WIDE_ROW_ELEMS`]); `plain`: no
+/// residual family and no dresidual.
 pub const fn backward_prefers_wide_blocks(
     plain: bool,
     vec: bool,
     elem_bytes: usize,
-    accesses: usize,
+    d: usize,
 ) -> bool {
-    plain && vec && elem_bytes == 2 && accesses > BACKWARD_WIDE_ROW_ACCESSES
+    plain && vec && elem_bytes == 2 && d > BACKWARD_WIDE_ROW_ELEMS
 }
 
 /// Loads per thread a streaming pass over a plain row keeps in flight (`rows::stream_accesses`):
