@@ -40,8 +40,36 @@ pub fn warp_sum(v: f32) -> f32 {
     warp_sums([v])[0]
 }
 
-/// Most values one [`RowReducer::sums`] call reduces at once.
-pub const MAX_BLOCK_SUMS: usize = 2;
+/// The mean of a part of a row: its `sum` over `count` elements (0 for an empty part), by the
+/// reciprocal to 1 ulp: any value the same in every lane serves as a part's mean (its deviations
+/// are taken about it and merged from it), without IEEE division's slow path and registers.
+#[inline(always)]
+fn part_mean(sum: f32, count: f32) -> f32 {
+    if count > 0.0 {
+        sum * arch::rcp_approx(count)
+    } else {
+        0.0
+    }
+}
+
+/// Chan et al.'s combination of the parts in the lanes of a warp, each a `[sum, count,
+/// deviations about its mean]` (empty parts all 0): the whole's sum and count, and its
+/// deviations about its mean, `Σ deviations + count·(part mean − mean)²`. Every lane gets the
+/// same bits (the butterfly's sums, then the same arithmetic in every lane).
+#[inline(always)]
+pub fn merge_moments(part: [f32; 3]) -> [f32; 3] {
+    let [sum, count, m2] = part;
+    let [total, n] = warp_sums([sum, count]);
+    let off = part_mean(sum, count) - part_mean(total, n);
+    [total, n, warp_sum(arch::fma(count * off, off, m2))]
+}
+
+/// Most values one [`RowReducer`] call reduces at once: a part's sum, count and deviations
+/// ([`RowReducer::mean_and_deviations`]).
+pub const MAX_BLOCK_SUMS: usize = 3;
+/// Most values of a reduction started and finished apart ([`RowReducer::start`]: the backward's
+/// two dot products).
+pub const MAX_PENDING_SUMS: usize = 2;
 /// The block's slots: two of one word per warp per value.
 const BLOCK_SLOTS: usize = 0;
 /// Mailbox slots per block. Between starting a call and finishing it, a block starts at most
@@ -84,13 +112,39 @@ pub struct RowReducer {
     lanes: usize,
 }
 
-/// A reduction begun by [`RowReducer::start`]: the block's totals, and where the cluster's will be.
+/// A reduction of `N` values begun: the block's totals, and where the cluster's will be.
 #[must_use]
 #[derive(Clone, Copy)]
-pub struct PendingSums {
-    block: [f32; MAX_BLOCK_SUMS],
+pub struct Pending<const N: usize> {
+    block: [f32; N],
     slot: usize,
     phase: u32,
+}
+
+/// A reduction begun by [`RowReducer::start`] (of at most [`MAX_PENDING_SUMS`] values, the width
+/// the backward carries from a row's first pass to its second).
+pub type PendingSums = Pending<MAX_PENDING_SUMS>;
+
+impl<const N: usize> Pending<N> {
+    /// A reduction already complete (a segment's or a block's): its totals.
+    #[inline(always)]
+    fn of(block: [f32; N]) -> Self {
+        Pending {
+            block,
+            slot: 0,
+            phase: 0,
+        }
+    }
+
+    /// The same reduction, its totals padded with zeros (or cut) to `M` values.
+    #[inline(always)]
+    fn resized<const M: usize>(self) -> Pending<M> {
+        Pending {
+            block: core::array::from_fn(|i| if i < N { self.block[i] } else { 0.0 }),
+            slot: self.slot,
+            phase: self.phase,
+        }
+    }
 }
 
 impl RowReducer {
@@ -124,7 +178,7 @@ impl RowReducer {
         }
     }
 
-    /// Sums of `N ≤ 2` values over the block (a multiple of 32 threads, at most 1024) and, in a
+    /// Sums of `N ≤ MAX_BLOCK_SUMS` values over the block (a multiple of 32 threads, at most 1024) and, in a
     /// cluster, over its blocks; every thread gets the totals. The order is fixed: lanes by
     /// butterfly, then warps, then blocks by a butterfly over their ranks, so every block of the
     /// cluster computes the same bits.
@@ -149,23 +203,63 @@ impl RowReducer {
     #[inline(always)]
     pub unsafe fn start<const N: usize>(&mut self, v: [f32; N]) -> PendingSums {
         if self.lanes != 0 {
-            let mut totals = [0.0f32; MAX_BLOCK_SUMS];
-            totals[..N].copy_from_slice(&segment_sums(v, self.lanes));
-            return PendingSums {
-                block: totals,
-                slot: 0,
-                phase: 0,
-            };
+            return Pending::of(segment_sums(v, self.lanes)).resized();
         }
+        unsafe { self.exchange(warp_sums(v), warp_sums).resized() }
+    }
+
+    /// The mean of the team's elements and their squared deviations about it (LayerNorm's μ and
+    /// M2), in one exchange where a sum and then the deviations about its mean would take two:
+    /// each warp sums its elements and their count, and its deviations about its own mean
+    /// (`deviations(c)`: this thread's Σ (x − c)² over the `count` elements of its `sum`); the
+    /// warps' and then the blocks' parts meet by Chan et al.'s combination
+    /// ([`merge_moments`]); a segment team's lanes are one part. Every part is a sum of squares about a mean, so nothing cancels when
+    /// the mean is large against the spread.
+    ///
+    /// # Safety
+    /// As for [`Self::sums`]; no call of this reducer is unfinished.
+    #[inline(always)]
+    pub unsafe fn mean_and_deviations(
+        &mut self,
+        count: f32,
+        sum: f32,
+        deviations: impl Fn(f32) -> f32,
+    ) -> (f32, f32) {
+        if self.lanes != 0 {
+            let [sum, count] = segment_sums([sum, count], self.lanes);
+            let mean = part_mean(sum, count);
+            return (mean, segment_sums([deviations(mean)], self.lanes)[0]);
+        }
+        let [sum, count] = warp_sums([sum, count]);
+        let mean = part_mean(sum, count);
+        let m2 = warp_sum(deviations(mean));
+        let [sum, count, m2] = unsafe {
+            let pending = self.exchange([sum, count, m2], merge_moments);
+            self.finish_with(pending, merge_moments)
+        };
+        (part_mean(sum, count), m2)
+    }
+
+    /// A block or cluster reduction from `warp` (this warp's totals, the same in every lane): the
+    /// warps' totals meet in `combine` (given lane w warp w's, 0 past the last warp), and in a
+    /// cluster the block's are sent to every block.
+    ///
+    /// # Safety
+    /// As for [`Self::sums`].
+    #[inline(always)]
+    unsafe fn exchange<const N: usize>(
+        &mut self,
+        warp: [f32; N],
+        combine: impl Fn([f32; N]) -> [f32; N],
+    ) -> Pending<N> {
         let shared = arch::shared_f32();
         let base = BLOCK_SLOTS + self.block_slot * MAX_BLOCK_SUMS * WARP;
         self.block_slot ^= 1;
         let tid = arch::recomputed_on_sm80(arch::thread_idx());
-        let (lane, warp, warps) = (tid % WARP, tid / WARP, arch::block_dim() / WARP);
-        let v = warp_sums(v);
+        let (lane, warp_idx, warps) = (tid % WARP, tid / WARP, arch::block_dim() / WARP);
         if lane == 0 {
-            for (i, x) in v.iter().enumerate() {
-                unsafe { shared.store(base + i * WARP + warp, *x) };
+            for (i, x) in warp.iter().enumerate() {
+                unsafe { shared.store(base + i * WARP + warp_idx, *x) };
             }
         }
         arch::sync_threads();
@@ -175,15 +269,9 @@ impl RowReducer {
                 *x = unsafe { shared.load(base + i * WARP + lane) };
             }
         }
-        let block = warp_sums(partial);
-        let mut totals = [0.0f32; MAX_BLOCK_SUMS];
-        totals[..N].copy_from_slice(&block);
+        let block = combine(partial);
         if !self.cluster {
-            return PendingSums {
-                block: totals,
-                slot: 0,
-                phase: 0,
-            };
+            return Pending::of(block);
         }
         let call = self.calls;
         self.calls = call.wrapping_add(1);
@@ -204,11 +292,7 @@ impl RowReducer {
                 unsafe { shared.store_async_to(tid, word, *x, barrier) };
             }
         }
-        PendingSums {
-            block: totals,
-            slot,
-            phase,
-        }
+        Pending { block, slot, phase }
     }
 
     /// The second half of [`Self::sums`]: waits for every block's totals and adds them.
@@ -218,8 +302,21 @@ impl RowReducer {
     /// which reduced `N` values.
     #[inline(always)]
     pub unsafe fn finish<const N: usize>(&mut self, pending: PendingSums) -> [f32; N] {
+        unsafe { self.finish_with(pending.resized(), warp_sums) }
+    }
+
+    /// Waits for every block's totals and meets them in `combine` (given lane r block r's).
+    ///
+    /// # Safety
+    /// As for [`Self::finish`].
+    #[inline(always)]
+    unsafe fn finish_with<const N: usize>(
+        &mut self,
+        pending: Pending<N>,
+        combine: impl Fn([f32; N]) -> [f32; N],
+    ) -> [f32; N] {
         if !self.cluster {
-            return core::array::from_fn(|i| pending.block[i]);
+            return pending.block;
         }
         let shared = arch::shared_f32();
         let (mailbox, barrier) = Self::mailbox(pending.slot);
@@ -232,7 +329,7 @@ impl RowReducer {
                 *x = unsafe { shared.load(mailbox + i * MAX_CLUSTER + lane) };
             }
         }
-        warp_sums(partial)
+        combine(partial)
     }
 
     /// The first word of a mailbox slot, and of its mbarrier.

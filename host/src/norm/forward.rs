@@ -296,6 +296,7 @@ pub(crate) fn plan(
         work: rows,
         cluster_sizes: if forward_clusters(
             centered,
+            key.residual,
             rows < device.sm_count(),
             d.saturating_mul(bytes),
         ) {
@@ -495,12 +496,12 @@ mod tests {
             };
             assert_eq!(plan(&c, &limited).unwrap().unwrap().grid, 7, "{what}");
         }
-        // Streaming rows of 64 KiB: two 512-thread blocks per SM, a block per row. Rows of
-        // 128 KiB (one 1024-thread block per SM) and the residual forms keep their balanced
-        // rounds: 1024 rows over 128 blocks, 2048 over 128.
+        // Streaming rows of 64 KiB: two 512-thread blocks per SM, a block per row. The residual
+        // forms (one 1024-thread block per SM) keep their balanced rounds: 1024 rows over 128
+        // blocks, 2048 over 128.
         for (norm, residual, rows, d, grid) in [
             (Norm::Layer, false, 2048, 32768, 2048),
-            (Norm::Layer, false, 1024, 65536, 128),
+            (Norm::Layer, true, 1024, 65536, 128),
             (Norm::Layer, true, 2048, 32768, 128),
         ] {
             let stream = plan(&call_with(norm, residual, rows, d), &H200)
@@ -520,27 +521,29 @@ mod tests {
     }
 
     #[test]
-    fn few_wide_rows_and_rms_norm_s_widest_are_split_over_clusters() {
+    fn few_wide_rows_and_rows_past_a_block_s_registers_are_split_over_clusters() {
         let few = plan(&call(Norm::Rms, 64, 65536), &H200).unwrap().unwrap();
         let tile = (few.kernel.name, few.block, few.cluster);
         assert_eq!(tile, ("rms_norm_fwd_bf16_v4c", 256, 8));
-        // Many rows: LayerNorm's stream from L2, a block each.
-        let many = plan(&call(Norm::Layer, 1024, 65536), &H200)
-            .unwrap()
-            .unwrap();
-        assert_eq!(
-            (many.kernel.name, many.cluster),
-            ("layer_norm_fwd_bf16_vx", 1)
-        );
-        // RMSNorm's rows past a block's registers (more than 64 KiB) take a cluster, plain or
-        // with the residual; 64 KiB rows fit a block.
+        // Rows past a block's registers (more than 64 KiB) take a cluster however many: both
+        // norms plain, RMSNorm with the residual too; 64 KiB rows fit a block.
         let many = plan(&call(Norm::Rms, 1024, 65536), &H200).unwrap().unwrap();
         let tile = (many.kernel.name, many.block, many.cluster);
         assert_eq!(tile, ("rms_norm_fwd_bf16_v4c", 256, 8));
-        let mut residual = call(Norm::Rms, 1024, 65536);
-        residual.key.residual = true;
-        residual.residual = Some([(5 << 20, 65536, false), (6 << 20, 65536, false)]);
-        assert_eq!(launched(&residual).2, 8);
+        let layer = launched(&call(Norm::Layer, 1024, 65536));
+        assert_eq!(layer, ("layer_norm_fwd_bf16_v4c", 256, 8));
+        let with_residual = |norm| {
+            let mut residual = call(norm, 1024, 65536);
+            residual.key.residual = true;
+            residual.residual = Some([(5 << 20, 65536, false), (6 << 20, 65536, false)]);
+            launched(&residual)
+        };
+        assert_eq!(with_residual(Norm::Rms).2, 8);
+        // LayerNorm's residual rows stream from L2, a block each.
+        assert_eq!(
+            with_residual(Norm::Layer),
+            ("layer_norm_fwd_res_bf16_vx", 1024, 1)
+        );
         assert_eq!(launched(&call(Norm::Rms, 2048, 32768)).2, 1);
         // Rows past what a cluster holds in registers (256 KiB) stream, a block each.
         let huge = launched(&call(Norm::Rms, 256, 1 << 20));
@@ -551,8 +554,8 @@ mod tests {
     fn plain_streamed_rows_of_up_to_64_kib_take_two_blocks_per_sm() {
         let (name, block, cluster) = launched(&call(Norm::Layer, 2048, 32768));
         assert_eq!((name, block, cluster), ("layer_norm_fwd_bf16_vx", 512, 1));
-        // 128 KiB rows, and the residual forms, keep one block of 1024 threads per SM.
-        assert_eq!(launched(&call(Norm::Layer, 1024, 65536)).1, 1024);
+        // The residual forms keep one block of 1024 threads per SM (wider plain rows take
+        // clusters).
         for norm in [Norm::Rms, Norm::Layer] {
             let mut residual = call(norm, 2048, 32768);
             residual.key.residual = true;

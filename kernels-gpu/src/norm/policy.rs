@@ -44,13 +44,21 @@ const FORWARD_CLUSTER_ROW_BYTES: usize = 256 * 1024;
 
 /// Whether a forward may split a row over a cluster of blocks. Forward rows are independent: with
 /// a row per SM or more, a block per row streaming its row from L2 outruns a cluster per row
-/// (LayerNorm, plain and residual). RMSNorm's rows too wide for a block's registers but not for a
-/// cluster's are the exception: a cluster reads them once where a block would read them twice.
-/// Wider rows would stream over a cluster as well: not measured with many rows, they keep a block
-/// each (`bench-results/h200.md`, forty-fourth session).
-pub const fn forward_clusters(centered: bool, fewer_rows_than_sms: bool, row_bytes: usize) -> bool {
+/// where the row fits a block's registers. Rows too wide for a block's registers but not for a
+/// cluster's are the exception: a cluster reads them once where a block would read them twice
+/// (RMSNorm 1024×65536 at 16 bits: 78 → 88 % of copy; plain LayerNorm, its statistics in one
+/// exchange, 66 → 79; H100). LayerNorm's residual rows keep a block each (53 against 62 on a
+/// cluster, its statistics in two exchanges then). Wider rows would stream over a cluster as
+/// well: not measured with many rows, they keep a block each (`bench-results/h200.md`,
+/// forty-fourth and forty-seventh sessions).
+pub const fn forward_clusters(
+    centered: bool,
+    residual: bool,
+    fewer_rows_than_sms: bool,
+    row_bytes: usize,
+) -> bool {
     fewer_rows_than_sms
-        || (!centered
+        || (!(centered && residual)
             && row_bytes > FORWARD_BLOCK_ROW_BYTES
             && row_bytes <= FORWARD_CLUSTER_ROW_BYTES)
 }

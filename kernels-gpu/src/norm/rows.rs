@@ -334,7 +334,8 @@ impl<T: Element, const VEC: bool> RowSource<T, VEC> for ResidualBackward {
 }
 
 /// `(μ, rstd)` of a row held in registers (μ = 0 for RMSNorm): exact two-pass variance, since the
-/// row is on chip. Accesses past `d` hold zeros and are kept out of the sums. `lane_sums`: each
+/// row is on chip; a block or cluster team's in one exchange
+/// ([`RowReducer::mean_and_deviations`]). Accesses past `d` hold zeros and are kept out of the sums. `lane_sums`: each
 /// thread adds its elements as [`lane_sum`] does (the forward's segment teams: on the one-shot grid
 /// a team lives for one row); otherwise in element order (the block tiles and the backward, which
 /// measured no gain from it, the backward a loss: `bench-results/h200.md`, thirty-second session).
@@ -361,7 +362,8 @@ pub(super) unsafe fn row_stats_regs<
 ) -> (f32, f32) {
     let len = Access::<T, VEC>::LEN;
     let Team { tid, threads, .. } = team;
-    let (mean, sum_sq) = if lane_sums {
+    // `m2`: the segment thread's own deviations (reduced below), or the team's.
+    let (mean, m2) = if lane_sums {
         let active = |k: usize| (tid + k * threads) * len < d;
         let mean = if N::CENTERED {
             // Elements past d are held as 0: every access adds.
@@ -376,7 +378,35 @@ pub(super) unsafe fn row_stats_regs<
             arch::fma(c, c, acc)
         });
         (mean, sum_sq)
+    } else if N::CENTERED && team.cluster {
+        let active = |k: usize| (tid + k * threads) * len < d;
+        let mut sum = 0.0f32;
+        let mut count = 0usize;
+        for (k, xk) in x.iter().enumerate() {
+            // Elements past d are held as 0: every access adds to the sum.
+            for i in 0..len {
+                sum += S::get(xk, i);
+            }
+            if active(k) {
+                count += len;
+            }
+        }
+        let deviations = |c: f32| {
+            let mut m2 = 0.0f32;
+            for (k, xk) in x.iter().enumerate() {
+                if active(k) {
+                    for i in 0..len {
+                        let dev = S::get(xk, i) - c;
+                        m2 = arch::fma(dev, dev, m2);
+                    }
+                }
+            }
+            m2
+        };
+        unsafe { reducer.mean_and_deviations(count as f32, sum, deviations) }
     } else {
+        // RMSNorm, and LayerNorm's block teams: their two barriers cost less than the merge's
+        // shuffles (LayerNorm's forward 1.2 points lower at 16384×4096 in one exchange, H100).
         let mean = if N::CENTERED {
             let mut sum = 0.0f32;
             for xk in x {
@@ -384,8 +414,7 @@ pub(super) unsafe fn row_stats_regs<
                     sum += S::get(xk, i);
                 }
             }
-            let total = unsafe { reducer.sum(sum) };
-            total * inv_d
+            unsafe { reducer.sum(sum) * inv_d }
         } else {
             0.0
         };
@@ -398,12 +427,14 @@ pub(super) unsafe fn row_stats_regs<
                 }
             }
         }
-        (mean, sum_sq)
+        (mean, unsafe { reducer.sum(sum_sq) })
     };
-    (
-        mean,
-        arch::rsqrt(unsafe { reducer.sum(sum_sq) } * inv_d + eps),
-    )
+    let variance = if lane_sums {
+        unsafe { reducer.sum(m2) }
+    } else {
+        m2
+    };
+    (mean, arch::rsqrt(variance * inv_d + eps))
 }
 
 /// `Σ step` over this thread's accesses `k` (those `active`) and their `len` elements (a power of
@@ -466,11 +497,12 @@ pub(super) unsafe fn row_stats_stream<
                 centered_moments::<T, VEC, S, STREAM_DEPTH>(team, src, row, d)
             }
         };
-        // Chan et al.'s combination: the row's sum, then its squared deviations about μ, each
-        // thread's M2 plus its n·(mean − μ)².
-        let total = unsafe { reducer.sum(moments.sum) };
-        let mean = total * inv_d;
-        let m2 = unsafe { reducer.sum(moments.m2_about::<T, VEC>(mean)) };
+        // Chan et al.'s combination, in one exchange: each thread's M2 about a mean c is its own
+        // plus n·(its mean − c)².
+        let count = moments.accesses * Access::<T, VEC>::LEN as f32;
+        let (mean, m2) = unsafe {
+            reducer.mean_and_deviations(count, moments.sum, |c| moments.m2_about::<T, VEC>(c))
+        };
         return (mean, arch::rsqrt(m2 * inv_d + eps));
     }
     let sum_sq = unsafe {

@@ -153,17 +153,24 @@ fn emulator_layer_norm_streamed_rows_match_reference() {
     let shapes = [(3, 40000, 40000, 0), (2, 8200, 8208, 1)];
     emulated::<bf16>(Kind::Layer { bias: true }, &shapes);
     emulated::<f32>(Kind::Layer { bias: true }, &shapes);
-    // Off-centre rows: the statistics against f64 (the backward's x − μ loses those digits in
-    // any f32 LayerNorm, so dγ is not judged here).
-    let what = "emulator off-centre streamed rows";
+    off_centre_statistics_match_reference(
+        "emulator off-centre streamed rows",
+        &emulator(),
+        &[(2, 20000, 20000, 0), (2, 8200, 8208, 1)],
+    );
+}
+
+/// Off-centre rows (mean 1000 times the spread, where `Σx² − (Σx)²/n` in f32 would lose every
+/// digit): LayerNorm's forward statistics against f64 (the backward's x − μ loses those digits in
+/// any f32 LayerNorm, so dγ is not judged here).
+fn off_centre_statistics_match_reference(what: &str, backend: &Host, shapes: &[Shape]) {
     let mut rng = Rng::fresh(what);
-    let backend = emulator();
-    for shape in [(2, 20000, 20000, 0), (2, 8200, 8208, 1)] {
+    for &shape in shapes {
         let mut case = Case::<f32>::new(Kind::Layer { bias: true }, &mut rng, shape);
         for x in &mut case.x {
             *x += 1000.0;
         }
-        let out = case.run(&backend);
+        let out = case.run(backend);
         let (rows, d, stride, offset) = shape;
         for r in 0..rows {
             let row = &case.x[offset + r * stride..][..d];
@@ -180,6 +187,26 @@ fn emulator_layer_norm_streamed_rows_match_reference() {
                 "{what} {shape:?} row {r}: rstd {got_rstd}, reference {rstd}"
             );
         }
+    }
+}
+
+/// LayerNorm's cluster teams take their statistics in one exchange, merging the warps' and
+/// blocks' parts (`RowReducer::mean_and_deviations`): off-centre rows over clusters of 2 and 8
+/// blocks (register tiles, the emulated block capped as registers cap it on a GPU) and streamed
+/// over 2, against f64.
+#[test]
+fn emulator_layer_norm_cluster_statistics_off_centre() {
+    for (rows, d, block_limit, clusters) in [(3, 2048, 64, 2), (2, 4096, 32, 8), (3, 1100, 32, 2)] {
+        let emulator = Emulator::new()
+            .with_block_limit(block_limit)
+            .unwrap()
+            .with_clusters(clusters)
+            .unwrap();
+        off_centre_statistics_match_reference(
+            "emulator off-centre cluster rows",
+            &Host(emulator),
+            &[(rows, d, d, 0)],
+        );
     }
 }
 
