@@ -120,7 +120,7 @@ pub fn run(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measure
 }
 
 /// The sweep over d at 64 Mi elements: RMSNorm and LayerNorm forward and backward, plain and with
-/// the residual add (bf16 residual stream), all bf16; RMSNorm also in f32 and f16, so a
+/// the residual add (bf16 residual stream), all bf16; both plain norms also in f32 and f16, so a
 /// dtype that falls off a cliff at some d shows. `--shapes` replaces the d's, `--dtypes` picks
 /// the dtypes (one shape and dtype of a cliff).
 pub fn sweep(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measurement> {
@@ -141,18 +141,14 @@ pub fn sweep(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measu
             out.extend(bf16_norms(on, s, &mut rng, shape));
         }
         if measured("f32") {
-            out.extend(rms_norm_fwd_bwd(
-                on,
-                s,
-                &mut Operands::<f32>::new(stream, &mut rng, shape),
-            ));
+            let mut operands = Operands::<f32>::new(stream, &mut rng, shape);
+            out.extend(rms_norm_fwd_bwd(on, s, &mut operands));
+            out.extend(layer_norm_fwd_bwd(on, s, &mut operands));
         }
         if measured("f16") {
-            out.extend(rms_norm_fwd_bwd(
-                on,
-                s,
-                &mut Operands::<f16>::new(stream, &mut rng, shape),
-            ));
+            let mut operands = Operands::<f16>::new(stream, &mut rng, shape);
+            out.extend(rms_norm_fwd_bwd(on, s, &mut operands));
+            out.extend(layer_norm_fwd_bwd(on, s, &mut operands));
         }
     }
     out
