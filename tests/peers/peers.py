@@ -72,7 +72,12 @@ res.append(dict(impl="copy", op="copy", gbs=copy_gbs))
 def makers(impl, op, N):
     if impl in ("eager", "compile"):
         f = (lambda x, w, b: F.rms_norm(x, (N,), w, eps)) if op == "rms" else (lambda x, w, b: F.layer_norm(x, (N,), w, b, eps))
-        return torch.compile(f, dynamic=False) if impl == "compile" else f
+        if impl == "compile":
+            # A fresh compile per (op, shape): dynamo's recompile limit (8) would otherwise send
+            # the sweep's later shapes to eager, silently.
+            torch._dynamo.reset()
+            return torch.compile(f, dynamic=False)
+        return f
     if impl == "liger":
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
         from liger_kernel.ops.layer_norm import LigerLayerNormFunction
