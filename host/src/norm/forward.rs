@@ -298,7 +298,8 @@ pub(crate) fn plan(
             centered,
             key.residual,
             rows < device.sm_count(),
-            d.saturating_mul(bytes),
+            d,
+            bytes,
         ) {
             CLUSTER_SIZES
         } else {
@@ -496,14 +497,9 @@ mod tests {
             };
             assert_eq!(plan(&c, &limited).unwrap().unwrap().grid, 7, "{what}");
         }
-        // Streaming rows of 64 KiB: two 512-thread blocks per SM, a block per row. The residual
-        // forms (one 1024-thread block per SM) keep their balanced rounds: 1024 rows over 128
-        // blocks, 2048 over 128.
-        for (norm, residual, rows, d, grid) in [
-            (Norm::Layer, false, 2048, 32768, 2048),
-            (Norm::Layer, true, 1024, 65536, 128),
-            (Norm::Layer, true, 2048, 32768, 128),
-        ] {
+        // The residual forms' streaming blocks (one of 1024 threads per SM) keep their balanced
+        // rounds: 2048 rows over 128 blocks (plain rows of 64 KiB: a block per row, below).
+        for (norm, residual, rows, d, grid) in [(Norm::Layer, true, 2048, 32768, 128)] {
             let stream = plan(&call_with(norm, residual, rows, d), &H200)
                 .unwrap()
                 .unwrap();
@@ -525,26 +521,30 @@ mod tests {
         let few = plan(&call(Norm::Rms, 64, 65536), &H200).unwrap().unwrap();
         let tile = (few.kernel.name, few.block, few.cluster);
         assert_eq!(tile, ("rms_norm_fwd_bf16_v4c", 256, 8));
-        // Rows past a block's registers (more than 64 KiB) take a cluster however many: both
-        // norms plain, RMSNorm with the residual too; 64 KiB rows fit a block.
+        // Rows past a block's registers take a cluster however many: RMSNorm's of more than
+        // 64 KiB (its 64 KiB rows fit a block), plain or with the residual.
         let many = plan(&call(Norm::Rms, 1024, 65536), &H200).unwrap().unwrap();
         let tile = (many.kernel.name, many.block, many.cluster);
         assert_eq!(tile, ("rms_norm_fwd_bf16_v4c", 256, 8));
+        assert_eq!(launched(&call_with(Norm::Rms, true, 1024, 65536)).2, 8);
+        assert_eq!(launched(&call(Norm::Rms, 2048, 32768)).2, 1);
+        // LayerNorm's plain rows of more than 16384 elements up to 128 KiB (16 bits: 32768 and
+        // 65536), with the residual of more than 64 KiB.
         let layer = launched(&call(Norm::Layer, 1024, 65536));
         assert_eq!(layer, ("layer_norm_fwd_bf16_v4c", 256, 8));
-        let with_residual = |norm| {
-            let mut residual = call(norm, 1024, 65536);
-            residual.key.residual = true;
-            residual.residual = Some([(5 << 20, 65536, false), (6 << 20, 65536, false)]);
-            launched(&residual)
+        assert_eq!(launched(&call(Norm::Layer, 2048, 32768)).2, 4);
+        let residual = launched(&call_with(Norm::Layer, true, 1024, 65536));
+        assert_eq!(residual, ("layer_norm_fwd_res_bf16_v4c", 256, 8));
+        assert_eq!(launched(&call_with(Norm::Layer, true, 2048, 32768)).2, 1);
+        // f32: 32768 (128 KiB) on clusters; 16384 (64 KiB) and 65536 (256 KiB) stream a block each.
+        let f32_rows = |rows, d| {
+            let mut c = call(Norm::Layer, rows, d);
+            c.key.dtype = KernelDtype::F32;
+            launched(&c)
         };
-        assert_eq!(with_residual(Norm::Rms).2, 8);
-        // LayerNorm's residual rows stream from L2, a block each.
-        assert_eq!(
-            with_residual(Norm::Layer),
-            ("layer_norm_fwd_res_bf16_vx", 1024, 1)
-        );
-        assert_eq!(launched(&call(Norm::Rms, 2048, 32768)).2, 1);
+        assert_eq!(f32_rows(2048, 32768).2, 8);
+        assert_eq!(f32_rows(4096, 16384), ("layer_norm_fwd_f32_vx", 512, 1));
+        assert_eq!(f32_rows(1024, 65536), ("layer_norm_fwd_f32_vx", 1024, 1));
         // Rows past what a cluster holds in registers (256 KiB) stream, a block each.
         let huge = launched(&call(Norm::Rms, 256, 1 << 20));
         assert_eq!((huge.0, huge.2), ("rms_norm_fwd_bf16_vx", 1));
@@ -552,22 +552,17 @@ mod tests {
 
     #[test]
     fn plain_streamed_rows_of_up_to_64_kib_take_two_blocks_per_sm() {
-        let (name, block, cluster) = launched(&call(Norm::Layer, 2048, 32768));
-        assert_eq!((name, block, cluster), ("layer_norm_fwd_bf16_vx", 512, 1));
-        // The residual forms keep one block of 1024 threads per SM (wider plain rows take
-        // clusters).
-        for norm in [Norm::Rms, Norm::Layer] {
-            let mut residual = call(norm, 2048, 32768);
-            residual.key.residual = true;
-            residual.residual = Some([(5 << 20, 32768, false), (6 << 20, 32768, false)]);
-            let (name, block, _) = launched(&residual);
-            assert!(name.ends_with("_res_bf16_vx"), "{name}");
-            assert_eq!(block, 1024);
-        }
-        // Bytes decide, not elements: f32 rows of 16384 are 64 KiB.
+        // f32 LayerNorm rows of 16384 (64 KiB): 512 threads, a block per row.
         let mut f32_rows = call(Norm::Layer, 4096, 16384);
         f32_rows.key.dtype = KernelDtype::F32;
         assert_eq!(launched(&f32_rows), ("layer_norm_fwd_f32_vx", 512, 1));
+        assert_eq!(plan(&f32_rows, &H200).unwrap().unwrap().grid, 4096);
+        // The residual forms keep one block of 1024 threads per SM.
+        for norm in [Norm::Rms, Norm::Layer] {
+            let (name, block, _) = launched(&call_with(norm, true, 2048, 32768));
+            assert!(name.ends_with("_res_bf16_vx"), "{name}");
+            assert_eq!(block, 1024);
+        }
     }
 
     #[test]

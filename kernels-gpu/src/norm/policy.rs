@@ -42,25 +42,44 @@ pub const fn forward_wide_block_first(residual: bool, vpt: usize) -> bool {
 const FORWARD_BLOCK_ROW_BYTES: usize = 64 * 1024;
 const FORWARD_CLUSTER_ROW_BYTES: usize = 256 * 1024;
 
-/// Whether a forward may split a row over a cluster of blocks. Forward rows are independent: with
-/// a row per SM or more, a block per row streaming its row from L2 outruns a cluster per row
-/// where the row fits a block's registers. Rows too wide for a block's registers but not for a
-/// cluster's are the exception: a cluster reads them once where a block would read them twice
-/// (RMSNorm 1024×65536 at 16 bits: 78 → 88 % of copy; plain LayerNorm, its statistics in one
-/// exchange, 66 → 79; H100). LayerNorm's residual rows keep a block each (53 against 62 on a
-/// cluster, its statistics in two exchanges then). Wider rows would stream over a cluster as
-/// well: not measured with many rows, they keep a block each (`bench-results/h200.md`,
-/// forty-fourth and forty-seventh sessions).
+/// LayerNorm's widest plain row that does not take a cluster (elements: its 4-pack tile, at 113
+/// registers, holds no 16-bit row of 32768 in one block, and streaming one from L2 is slower),
+/// and its widest row that does (its cluster tiles take more registers than RMSNorm's: at
+/// 256 KiB, 512-thread blocks of 72 registers in f32, one per SM).
+const LAYER_NORM_BLOCK_ROW_ELEMS: usize = 16384;
+const LAYER_NORM_CLUSTER_ROW_BYTES: usize = 128 * 1024;
+
+/// Whether a forward may split a row of `d` elements of `elem_bytes` over a cluster of blocks.
+/// Forward rows are independent: with a row per SM or more, a block per row outruns a cluster
+/// per row where the row fits a block's registers. Rows too wide for that but not for a
+/// cluster's registers are the exception: a cluster reads them once where a block would read
+/// them twice (H100, 16 bits: RMSNorm 1024×65536 78 → 88 % of copy, its rows of 64–256 KiB;
+/// LayerNorm, its statistics in one exchange, 1024×65536 66 → 79, with the residual 62 → 88.5,
+/// 2048×32768 82.7 → 84.8, f32 2048×32768 78 → 89; against f32 4096×16384 91 → 89 and f32
+/// 1024×65536 68 → 59, which keep a block). Wider rows would stream over a cluster as well: not
+/// measured with many rows, they keep a block each (`bench-results/h200.md`, forty-fourth and
+/// forty-seventh sessions).
 pub const fn forward_clusters(
     centered: bool,
     residual: bool,
     fewer_rows_than_sms: bool,
-    row_bytes: usize,
+    d: usize,
+    elem_bytes: usize,
 ) -> bool {
-    fewer_rows_than_sms
-        || (!(centered && residual)
-            && row_bytes > FORWARD_BLOCK_ROW_BYTES
-            && row_bytes <= FORWARD_CLUSTER_ROW_BYTES)
+    let row_bytes = d.saturating_mul(elem_bytes);
+    if fewer_rows_than_sms {
+        true
+    } else if !centered {
+        row_bytes > FORWARD_BLOCK_ROW_BYTES && row_bytes <= FORWARD_CLUSTER_ROW_BYTES
+    } else {
+        // The residual rows, measured at 128 KiB only, past 64 KiB as RMSNorm's.
+        let past_a_block = if residual {
+            row_bytes > FORWARD_BLOCK_ROW_BYTES
+        } else {
+            d > LAYER_NORM_BLOCK_ROW_ELEMS
+        };
+        past_a_block && row_bytes <= LAYER_NORM_CLUSTER_ROW_BYTES
+    }
 }
 
 /// The fewest accesses per thread of a forward register tile. Plain LayerNorm's one-access tile
