@@ -178,10 +178,10 @@ impl RowReducer {
         }
     }
 
-    /// Sums of `N ≤ MAX_BLOCK_SUMS` values over the block (a multiple of 32 threads, at most 1024) and, in a
-    /// cluster, over its blocks; every thread gets the totals. The order is fixed: lanes by
-    /// butterfly, then warps, then blocks by a butterfly over their ranks, so every block of the
-    /// cluster computes the same bits.
+    /// Sums of `N ≤ MAX_PENDING_SUMS` values over the block (a multiple of 32 threads, at most
+    /// 1024) and, in a cluster, over its blocks; every thread gets the totals. The order is
+    /// fixed: lanes by butterfly, then warps, then blocks by a butterfly over their ranks, so
+    /// every block of the cluster computes the same bits.
     ///
     /// # Safety
     /// Every thread of the block (of the cluster) calls it (it contains a barrier); the reducer
@@ -212,9 +212,9 @@ impl RowReducer {
     /// M2), in one exchange where a sum and then the deviations about its mean would take two:
     /// each warp sums its elements and their count, and its deviations about its own mean
     /// (`deviations(c)`: this thread's Σ (x − c)² over the `count` elements of its `sum`); the
-    /// warps' and then the blocks' parts meet by Chan et al.'s combination
-    /// ([`merge_moments`]); a segment team's lanes are one part. Every part is a sum of squares about a mean, so nothing cancels when
-    /// the mean is large against the spread.
+    /// warps' and then the blocks' parts meet by Chan et al.'s combination ([`merge_moments`]);
+    /// a segment team's lanes are one part. Every part is a sum of squares about a mean, so
+    /// nothing cancels when the mean is large against the spread.
     ///
     /// # Safety
     /// As for [`Self::sums`]; no call of this reducer is unfinished.

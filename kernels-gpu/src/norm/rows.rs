@@ -334,11 +334,12 @@ impl<T: Element, const VEC: bool> RowSource<T, VEC> for ResidualBackward {
 }
 
 /// `(μ, rstd)` of a row held in registers (μ = 0 for RMSNorm): exact two-pass variance, since the
-/// row is on chip; a block or cluster team's in one exchange
-/// ([`RowReducer::mean_and_deviations`]). Accesses past `d` hold zeros and are kept out of the sums. `lane_sums`: each
-/// thread adds its elements as [`lane_sum`] does (the forward's segment teams: on the one-shot grid
-/// a team lives for one row); otherwise in element order (the block tiles and the backward, which
-/// measured no gain from it, the backward a loss: `bench-results/h200.md`, thirty-second session).
+/// row is on chip (LayerNorm's cluster teams: both in one exchange,
+/// [`RowReducer::mean_and_deviations`]). Accesses past `d` hold zeros and are kept out of the
+/// sums. `lane_sums`: each thread adds its elements as [`lane_sum`] does (the forward's segment
+/// teams: on the one-shot grid a team lives for one row); otherwise in element order (the block
+/// tiles and the backward, which measured no gain from it, the backward a loss:
+/// `bench-results/h200.md`, thirty-second session).
 /// The element-order branch is written out as it was before lane sums: folding both into one
 /// helper reordered instructions in 194 sm_90 kernels (the backwards among them), unmeasured.
 ///

@@ -5,8 +5,8 @@
 //! [--activations] [--csv PATH]`, or `./bench` in a bundle (`--param-grads`: only the
 //! small-batch latency and parameter-gradient strategy tables; `--activations`: only the
 //! activations, at the `--shapes` given if any; `--sweep`: the norms over d = 128 … 65536 at
-//! 64 Mi elements (or the `--shapes` given), bf16, both plain norms also in f32 and f16 (`--dtypes`: only
-//! those), 50 reps unless `--reps` says otherwise; `--csv PATH`: the table as CSV too, for `cargo xtask plot-sweep`, by default
+//! 64 Mi elements (or the `--shapes` given), bf16, both plain norms also in f32 and f16
+//! (`--dtypes`: only those), 50 reps unless `--reps` says otherwise; `--csv PATH`: the table as CSV too, for `cargo xtask plot-sweep`, by default
 //! `sweep.csv` with `--sweep`). Times are medians of CUDA event timings after warm-up (`--warmup`
 //! calls, and at least 200 ms of them), each call enqueued behind a spin kernel so that its
 //! events time its device work alone (`NORMKERN_BENCH_IDLE=1`: on an idle stream, as before
