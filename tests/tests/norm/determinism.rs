@@ -90,8 +90,8 @@ fn gpu_backward_is_bitwise_repeatable_and_grid_invariant() {
         // Block tiles, single-element access, clusters, and segment teams (a block per group
         // of 1024 rows of 128, of 100 by single-element access, of 512); rows of 1024 and 2048
         // take RMSNorm's staged block tile (a ring of rows filled by the copy engine); 140 rows of
-        // 40000 its forward's clusters; the plain backward's blocks of 512 threads (rows of 8192,
-        // and RMSNorm's clusters of 8 at 32768).
+        // 40000 the forward's clusters (and LayerNorm's at 32768); the plain backward's blocks of
+        // 512 threads (rows of 8192, and RMSNorm's clusters of 8 at 32768).
         let shapes = [
             (20000, 1024),
             (7000, 2048),

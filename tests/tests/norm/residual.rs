@@ -409,8 +409,8 @@ fn emulator_residual_normalizes_what_it_stores() {
 /// Segment teams, the 4096-wide register tile, the widest block tile, cluster tiles (of 2 and 8
 /// blocks at 16 bits; with a dresidual in the activations' dtype, segment teams, the widest block
 /// tile and the cluster tiles are the plain ones, the clusters' rows staged), rows too wide for
-/// registers, unaligned rows, and more rows than SMs wider than 64 KiB at 16 bits (RMSNorm's
-/// forward on clusters).
+/// registers, unaligned rows, and more rows than SMs wider than 64 KiB at 16 bits (the forward
+/// on clusters, LayerNorm's too since the forty-seventh session).
 const GPU_RESIDUAL_SHAPES: [ResidualShape; 7] = [
     (30000, 128, [128, 136, 144, 128]),
     (4096, 4096, [4096, 4096, 4096, 4096]),
