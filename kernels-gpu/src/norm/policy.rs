@@ -520,7 +520,8 @@ const fn layer_norm_block_tile(key: NormKey, residual: bool) -> bool {
 /// session). The residual tiles hold the row as f32 (the stream may be f32): ptxas's own choice
 /// gave the 2-pack tile 93 (two blocks) and the 4-pack 168 (one block of 256 threads, none of
 /// 512); 64 and 128 keep four and two without spills.
-/// Their cluster instances spill at 128 and keep ptxas's choice. The streaming block instances: 64.
+/// Their cluster instances keep ptxas's choice (at most 128 since their statistics take one
+/// exchange; 157–162 before, which spilled at a budget of 128). The streaming block instances: 64.
 pub const fn forward_register_budget(key: NormKey) -> u32 {
     if layer_norm_two_packs(key) {
         48
