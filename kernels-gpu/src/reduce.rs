@@ -212,12 +212,13 @@ impl RowReducer {
     /// M2), in one exchange where a sum and then the deviations about its mean would take two:
     /// each warp sums its elements and their count, and its deviations about its own mean
     /// (`deviations(c)`: this thread's Σ (x − c)² over the `count` elements of its `sum`); the
-    /// warps' and then the blocks' parts meet by Chan et al.'s combination ([`merge_moments`]);
-    /// a segment team's lanes are one part. Every part is a sum of squares about a mean, so
-    /// nothing cancels when the mean is large against the spread.
+    /// warps' and then the blocks' parts meet by Chan et al.'s combination ([`merge_moments`]).
+    /// Every part is a sum of squares about a mean, so nothing cancels when the mean is large
+    /// against the spread.
     ///
     /// # Safety
-    /// As for [`Self::sums`]; no call of this reducer is unfinished.
+    /// As for [`Self::sums`]; the team is a block or a cluster (a segment team's lanes would be
+    /// summed with their warp's others); no call of this reducer is unfinished.
     #[inline(always)]
     pub unsafe fn mean_and_deviations(
         &mut self,
@@ -225,11 +226,6 @@ impl RowReducer {
         sum: f32,
         deviations: impl Fn(f32) -> f32,
     ) -> (f32, f32) {
-        if self.lanes != 0 {
-            let [sum, count] = segment_sums([sum, count], self.lanes);
-            let mean = part_mean(sum, count);
-            return (mean, segment_sums([deviations(mean)], self.lanes)[0]);
-        }
         let [sum, count] = warp_sums([sum, count]);
         let mean = part_mean(sum, count);
         let m2 = warp_sum(deviations(mean));

@@ -141,16 +141,25 @@ pub fn sweep(ctx: &Context, stream: &Arc<CudaStream>, s: &Settings) -> Vec<Measu
             out.extend(bf16_norms(on, s, &mut rng, shape));
         }
         if measured("f32") {
-            let mut operands = Operands::<f32>::new(stream, &mut rng, shape);
-            out.extend(rms_norm_fwd_bwd(on, s, &mut operands));
-            out.extend(layer_norm_fwd_bwd(on, s, &mut operands));
+            out.extend(plain_norms::<f32>(on, s, &mut rng, shape));
         }
         if measured("f16") {
-            let mut operands = Operands::<f16>::new(stream, &mut rng, shape);
-            out.extend(rms_norm_fwd_bwd(on, s, &mut operands));
-            out.extend(layer_norm_fwd_bwd(on, s, &mut operands));
+            out.extend(plain_norms::<f16>(on, s, &mut rng, shape));
         }
     }
+    out
+}
+
+/// RMSNorm and LayerNorm forward and backward, plain, in `T` at one shape.
+fn plain_norms<T: TestDtype + ValidAsZeroBits>(
+    on: (&Context, &Arc<CudaStream>),
+    s: &Settings,
+    rng: &mut Rng,
+    shape: (usize, usize),
+) -> Vec<Measurement> {
+    let mut operands = Operands::<T>::new(on.1, rng, shape);
+    let mut out = Vec::from(rms_norm_fwd_bwd(on, s, &mut operands));
+    out.extend(layer_norm_fwd_bwd(on, s, &mut operands));
     out
 }
 
@@ -162,11 +171,8 @@ fn bf16_norms(
     rng: &mut Rng,
     shape: (usize, usize),
 ) -> Vec<Measurement> {
-    let mut operands = Operands::<bf16>::new(on.1, rng, shape);
-    let mut out = Vec::from(rms_norm_fwd_bwd(on, s, &mut operands));
-    out.extend(layer_norm_fwd_bwd(on, s, &mut operands));
-    // Freed before the residual's sets are allocated.
-    drop(operands);
+    // The plain norms' operands are freed before the residual's sets are allocated.
+    let mut out = plain_norms::<bf16>(on, s, rng, shape);
     out.extend(norm_residual::<bf16>(false, on, s, rng, shape, "bf16"));
     out.extend(norm_residual::<bf16>(true, on, s, rng, shape, "bf16"));
     out
