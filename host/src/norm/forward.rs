@@ -498,9 +498,9 @@ mod tests {
             assert_eq!(plan(&c, &limited).unwrap().unwrap().grid, 7, "{what}");
         }
         // The residual forms' streaming blocks (one of 1024 threads per SM) keep their balanced
-        // rounds: 2048 rows over 128 blocks (plain rows of 64 KiB: a block per row, below).
+        // rounds: 256 rows over 128 blocks (plain rows of 64 KiB: a block per row, below).
         for norm in [Norm::Rms, Norm::Layer] {
-            let stream = plan(&call_with(norm, true, 2048, 32768), &H200)
+            let stream = plan(&call_with(norm, true, 256, 262144), &H200)
                 .unwrap()
                 .unwrap();
             assert_eq!(stream.kernel.key.vpt, STREAM, "{norm:?}");
@@ -528,15 +528,24 @@ mod tests {
         assert_eq!(tile, ("rms_norm_fwd_bf16_v4c", 256, 8));
         assert_eq!(launched(&call_with(Norm::Rms, true, 1024, 65536)).2, 8);
         assert_eq!(launched(&call(Norm::Rms, 2048, 32768)).2, 1);
-        // LayerNorm's plain rows of more than 16384 elements up to 128 KiB (16 bits: 32768 and
-        // 65536), with the residual of more than 64 KiB.
+        // The tiles that hold their rows as f32 — LayerNorm's, and both residual families' —
+        // take clusters past 16384 elements (16 bits: 32768 and 65536), LayerNorm's up to
+        // 128 KiB.
         let layer = launched(&call(Norm::Layer, 1024, 65536));
         assert_eq!(layer, ("layer_norm_fwd_bf16_v4c", 256, 8));
         assert_eq!(launched(&call(Norm::Layer, 2048, 32768)).2, 4);
         let residual = launched(&call_with(Norm::Layer, true, 1024, 65536));
         assert_eq!(residual, ("layer_norm_fwd_res_bf16_v4c", 256, 8));
-        assert_eq!(launched(&call_with(Norm::Layer, true, 2048, 32768)).2, 1);
-        // f32: 32768 (128 KiB) on clusters; 16384 (64 KiB) and 65536 (256 KiB) stream a block each.
+        for norm in [Norm::Rms, Norm::Layer] {
+            let (name, _, cluster) = launched(&call_with(norm, true, 2048, 32768));
+            assert!(
+                name.ends_with("_res_bf16_v4c") && cluster > 1,
+                "{name} {cluster}"
+            );
+            assert_eq!(launched(&call_with(norm, true, 4096, 16384)).2, 1);
+        }
+        // f32: 32768 and 65536 (128 and 256 KiB) on clusters; 16384 (64 KiB) streams a block
+        // per row.
         let f32_rows = |rows, d| {
             let mut c = call(Norm::Layer, rows, d);
             c.key.dtype = KernelDtype::F32;
@@ -544,7 +553,7 @@ mod tests {
         };
         assert_eq!(f32_rows(2048, 32768).2, 8);
         assert_eq!(f32_rows(4096, 16384), ("layer_norm_fwd_f32_vx", 512, 1));
-        assert_eq!(f32_rows(1024, 65536), ("layer_norm_fwd_f32_vx", 1024, 1));
+        assert_eq!(f32_rows(1024, 65536).2, 8);
         // Rows past what a cluster holds in registers (256 KiB) stream, a block each.
         let huge = launched(&call(Norm::Rms, 256, 1 << 20));
         assert_eq!((huge.0, huge.2), ("rms_norm_fwd_bf16_vx", 1));
@@ -557,9 +566,9 @@ mod tests {
         f32_rows.key.dtype = KernelDtype::F32;
         assert_eq!(launched(&f32_rows), ("layer_norm_fwd_f32_vx", 512, 1));
         assert_eq!(plan(&f32_rows, &H200).unwrap().unwrap().grid, 4096);
-        // The residual forms keep one block of 1024 threads per SM.
+        // The residual forms keep one block of 1024 threads per SM (rows past their clusters).
         for norm in [Norm::Rms, Norm::Layer] {
-            let (name, block, _) = launched(&call_with(norm, true, 2048, 32768));
+            let (name, block, _) = launched(&call_with(norm, true, 256, 262144));
             assert!(name.ends_with("_res_bf16_vx"), "{name}");
             assert_eq!(block, 1024);
         }

@@ -154,7 +154,8 @@ pub(super) unsafe fn forward_regs<
     // one-shot grid it has one row and nothing to prefetch.
     let one_shot = team.lanes != 0 && forward_segments_one_shot(N::CENTERED, S::WIDE, VPT);
     let prefetch = !one_shot
-        && (forward_prefetches(N::CENTERED, S::WIDE, VPT) || (team.lanes != 0 && !S::WIDE));
+        && (forward_prefetches(N::CENTERED, S::WIDE, team.cluster, T::BYTES, VPT)
+            || (team.lanes != 0 && !S::WIDE));
     let mut next = if prefetch && row < rows {
         load_row(row)
     } else {

@@ -15,18 +15,28 @@ use crate::reduce::ROW_REDUCER_SHARED_WORDS;
 /// instead of held in registers.
 pub const STREAM: usize = 0;
 
-/// Whether a forward register tile (`vpt` ≥ 1) loads the next row before reducing this one:
-/// LayerNorm's 4-pack tiles only (at 16 bits, rows wider than 4096). Their 512-thread blocks
-/// (d = 8193..16384) fit one per SM, and the next row's loads hide the row's latency that no other
-/// block on the SM would. RMSNorm's 4-pack tile keeps no next row: its registers (64 instead of 91)
-/// then fit four 256-thread blocks per SM on the one-shot grid ([`forward_tile_grid`]), or a
-/// 1024-thread block that holds a row of 32768 16-bit elements the streaming tile would read
-/// twice. The narrower tiles' blocks fit four or more per SM, a row each: there the next row's
-/// registers would cost resident blocks, which hide the latency instead. The residual families
-/// hold f32 rows: no room. Measured on H100s; the H200 A/B of LayerNorm's 2-pack prefetch is still
-/// owed (`bench-results/h200.md`, forty-third to forty-fifth sessions).
-pub const fn forward_prefetches(centered: bool, residual: bool, vpt: usize) -> bool {
-    centered && !residual && vpt >= 4
+/// Whether a forward register tile (`vpt` ≥ 1) of `elem_bytes` elements loads the next row
+/// before reducing this one: LayerNorm's 4-pack tiles only (at 16 bits, rows wider than 4096).
+/// Their 512-thread blocks (d = 8193..16384) fit one per SM, and the next row's loads hide the
+/// row's latency that no other block on the SM would. RMSNorm's 4-pack tile keeps no next row: its
+/// registers (64 instead of 91) then fit four 256-thread blocks per SM on the one-shot grid
+/// ([`forward_tile_grid`]), or a 1024-thread block that holds a row of 32768 16-bit elements the
+/// streaming tile would read twice. The narrower tiles' blocks fit four or more per SM, a row
+/// each: there the next row's registers would cost resident blocks, which hide the latency
+/// instead. The residual families hold f32 rows: no room. LayerNorm's f32 cluster tile neither:
+/// its 256 KiB rows take 512-thread blocks, one per SM with the next row (72 registers), two
+/// without (56): 1024×65536 reads 84 % of copy without, 59 with, where 2048×32768 lost 3.5
+/// points (89 → 85.7). Its 16-bit cluster tiles keep it: without, 1024×65536 read 62 against 79
+/// (H100, `bench-results/h200.md`, forty-eighth session). The H200 A/B of LayerNorm's 2-pack
+/// prefetch is still owed (forty-third to forty-fifth sessions).
+pub const fn forward_prefetches(
+    centered: bool,
+    residual: bool,
+    cluster: bool,
+    elem_bytes: usize,
+    vpt: usize,
+) -> bool {
+    centered && !residual && vpt >= 4 && !(cluster && elem_bytes == 4)
 }
 
 /// Whether a plain forward row past the preferred block (256 threads) tries the register tile of
@@ -42,23 +52,24 @@ pub const fn forward_wide_block_first(residual: bool, vpt: usize) -> bool {
 const FORWARD_BLOCK_ROW_BYTES: usize = 64 * 1024;
 const FORWARD_CLUSTER_ROW_BYTES: usize = 256 * 1024;
 
-/// LayerNorm's widest plain row that does not take a cluster (elements: its 4-pack tile, at 113
-/// registers, holds no 16-bit row of 32768 in one block, and streaming one from L2 is slower),
-/// and its widest row that does (its cluster tiles take more registers than RMSNorm's: at
-/// 256 KiB, 512-thread blocks of 72 registers in f32, one per SM).
-const LAYER_NORM_BLOCK_ROW_ELEMS: usize = 16384;
-const LAYER_NORM_CLUSTER_ROW_BYTES: usize = 128 * 1024;
+/// The widest row (elements) of a forward that holds its row as f32 — LayerNorm's plain 4-pack
+/// tile (113 registers) and both residual families' tiles — that does not take a cluster: a
+/// block holds no 16-bit row of 32768 in registers, and streaming one from L2 is slower. And
+/// LayerNorm's widest residual row that does take one (measured at 128 KiB only).
+const F32_BLOCK_ROW_ELEMS: usize = 16384;
+const LAYER_NORM_RESIDUAL_CLUSTER_ROW_BYTES: usize = 128 * 1024;
 
 /// Whether a forward may split a row of `d` elements of `elem_bytes` over a cluster of blocks.
 /// Forward rows are independent: with a row per SM or more, a block per row outruns a cluster
 /// per row where the row fits a block's registers. Rows too wide for that but not for a
 /// cluster's registers are the exception: a cluster reads them once where a block would read
-/// them twice (H100, 16 bits: RMSNorm 1024×65536 78 → 88 % of copy, its rows of 64–256 KiB;
-/// LayerNorm, its statistics in one exchange, 1024×65536 66 → 79, with the residual 62 → 88.5,
-/// 2048×32768 82.7 → 84.8, f32 2048×32768 78 → 89; against f32 4096×16384 91 → 89 and f32
-/// 1024×65536 68 → 59, which keep a block). Wider rows would stream over a cluster as well: not
-/// measured with many rows, they keep a block each (`bench-results/h200.md`, forty-fourth and
-/// forty-seventh sessions).
+/// them twice or stream them (H100, % of copy, 16 bits: RMSNorm 1024×65536 78 → 88, its rows of
+/// 64–256 KiB; LayerNorm, its statistics in one exchange, 1024×65536 66 → 79, 2048×32768
+/// 82.7 → 84.8, f32 2048×32768 78 → 86–89, f32 1024×65536 68 → 84 (with no next row in flight,
+/// see [`forward_prefetches`]); the residual forms 2048×32768 77–81 → 90–91 and LayerNorm's
+/// 1024×65536 62 → 88.5; against f32 4096×16384 91 → 89, which keeps a block). Wider rows would
+/// stream over a cluster as well: not measured with many rows, they keep a block each
+/// (`bench-results/h200.md`, forty-fourth, forty-seventh and forty-eighth sessions).
 pub const fn forward_clusters(
     centered: bool,
     residual: bool,
@@ -67,19 +78,18 @@ pub const fn forward_clusters(
     elem_bytes: usize,
 ) -> bool {
     let row_bytes = d.saturating_mul(elem_bytes);
-    if fewer_rows_than_sms {
-        true
-    } else if !centered {
-        row_bytes > FORWARD_BLOCK_ROW_BYTES && row_bytes <= FORWARD_CLUSTER_ROW_BYTES
-    } else {
-        // The residual rows, measured at 128 KiB only, past 64 KiB as RMSNorm's.
-        let past_a_block = if residual {
-            row_bytes > FORWARD_BLOCK_ROW_BYTES
-        } else {
-            d > LAYER_NORM_BLOCK_ROW_ELEMS
-        };
-        past_a_block && row_bytes <= LAYER_NORM_CLUSTER_ROW_BYTES
-    }
+    let (past_a_block, most_bytes) = match (centered, residual) {
+        (false, false) => (
+            row_bytes > FORWARD_BLOCK_ROW_BYTES,
+            FORWARD_CLUSTER_ROW_BYTES,
+        ),
+        (true, true) => (
+            d > F32_BLOCK_ROW_ELEMS,
+            LAYER_NORM_RESIDUAL_CLUSTER_ROW_BYTES,
+        ),
+        _ => (d > F32_BLOCK_ROW_ELEMS, FORWARD_CLUSTER_ROW_BYTES),
+    };
+    fewer_rows_than_sms || (past_a_block && row_bytes <= most_bytes)
 }
 
 /// The fewest accesses per thread of a forward register tile. Plain LayerNorm's one-access tile
@@ -160,7 +170,8 @@ pub const fn forward_tile_grid(
     use ForwardTileGrid::{OneShot, Persistent};
     let one_shot = if vpt == STREAM {
         !residual && resident_per_sm >= 2
-    } else if forward_prefetches(centered, residual, vpt) {
+    } else if forward_prefetches(centered, residual, false, 0, vpt) {
+        // (A block tile: its element size does not matter.)
         resident_per_sm >= 4
     } else {
         resident_per_sm >= 2 || !forward_params_in_shared(centered, residual, vec, vpt, 0)
