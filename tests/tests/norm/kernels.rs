@@ -284,7 +284,7 @@ fn emulated_small_batches_split_over_clusters() {
 /// Every d of the acceptance list, each with a row count from its list so every count appears;
 /// small batches of rows split over clusters (groups of one and of four rows); and narrow rows
 /// over many groups of segment teams (QK-norm's 128; 100 by single-element access).
-const GPU_SHAPES: [(usize, usize); 23] = [
+const GPU_SHAPES: [(usize, usize); 24] = [
     (65536, 128),
     (20000, 256),
     (9000, 100),
@@ -309,6 +309,9 @@ const GPU_SHAPES: [(usize, usize); 23] = [
     (200, 32768),
     // More rows than SMs, wider than 64 KiB at 16 bits: RMSNorm's forward on clusters.
     (140, 40000),
+    // More rows than SMs of 256 KiB in f32: LayerNorm's forward on clusters too, its f32 tile
+    // without the next row in flight.
+    (140, 65536),
 ];
 
 /// Strided rows, and views one element off 16-byte alignment (single-element access).
