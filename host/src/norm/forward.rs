@@ -529,8 +529,8 @@ mod tests {
         assert_eq!(launched(&call_with(Norm::Rms, true, 1024, 65536)).2, 8);
         assert_eq!(launched(&call(Norm::Rms, 2048, 32768)).2, 1);
         // The tiles that hold their rows as f32 — LayerNorm's, and both residual families' —
-        // take clusters past 16384 elements (16 bits: 32768 and 65536), LayerNorm's up to
-        // 128 KiB.
+        // take clusters past 16384 elements (16 bits: 32768 and 65536), LayerNorm's residual
+        // rows up to 128 KiB, the others up to 256 KiB.
         let layer = launched(&call(Norm::Layer, 1024, 65536));
         assert_eq!(layer, ("layer_norm_fwd_bf16_v4c", 256, 8));
         assert_eq!(launched(&call(Norm::Layer, 2048, 32768)).2, 4);
