@@ -363,7 +363,7 @@ pub(super) unsafe fn row_stats_regs<
 ) -> (f32, f32) {
     let len = Access::<T, VEC>::LEN;
     let Team { tid, threads, .. } = team;
-    // `m2`: the segment thread's own deviations (reduced below), or the team's.
+    // The team's mean and squared deviations (about the mean; RMSNorm's about 0).
     let (mean, m2) = if lane_sums {
         let active = |k: usize| (tid + k * threads) * len < d;
         let mean = if N::CENTERED {
@@ -378,7 +378,7 @@ pub(super) unsafe fn row_stats_regs<
             let c = S::get(&x[k], i) - mean;
             arch::fma(c, c, acc)
         });
-        (mean, sum_sq)
+        (mean, unsafe { reducer.sum(sum_sq) })
     } else if N::CENTERED && team.cluster {
         let active = |k: usize| (tid + k * threads) * len < d;
         let mut sum = 0.0f32;
@@ -430,12 +430,7 @@ pub(super) unsafe fn row_stats_regs<
         }
         (mean, unsafe { reducer.sum(sum_sq) })
     };
-    let variance = if lane_sums {
-        unsafe { reducer.sum(m2) }
-    } else {
-        m2
-    };
-    (mean, arch::rsqrt(variance * inv_d + eps))
+    (mean, arch::rsqrt(m2 * inv_d + eps))
 }
 
 /// `Σ step` over this thread's accesses `k` (those `active`) and their `len` elements (a power of

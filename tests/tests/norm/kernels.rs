@@ -307,7 +307,7 @@ const GPU_SHAPES: [(usize, usize); 24] = [
     (64, 16384),
     (1000, 16384),
     (200, 32768),
-    // More rows than SMs, wider than 64 KiB at 16 bits: RMSNorm's forward on clusters.
+    // More rows than SMs, wider than 64 KiB at 16 bits: the forward on clusters.
     (140, 40000),
     // More rows than SMs of 256 KiB in f32: LayerNorm's forward on clusters too, its f32 tile
     // without the next row in flight.
