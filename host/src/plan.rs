@@ -261,9 +261,8 @@ pub(crate) fn packs_fit(elem_bytes: usize, d: usize, addrs: &[u64], strides: &[u
 }
 
 /// Narrowest rows whose column sums take four columns per thread: 128 slabs of 128 columns, about
-/// one per SM. Narrower rows keep more, narrower slabs. (At 16384 one column per thread, 512 slabs,
-/// measured RMSNorm's backward 0.7 points higher and LayerNorm's 0.9 lower: H100, forty-ninth
-/// session.)
+/// one per SM. Narrower rows keep more, narrower slabs. (One column per thread at 16384, 512 slabs,
+/// measured no better overall: `bench-results/h200.md`, forty-ninth session.)
 const VECTOR_COLUMN_SUM_MIN_D: usize = 16384;
 
 /// The second pass of every deterministic parameter gradient (dγ, dβ, dbias): sums the

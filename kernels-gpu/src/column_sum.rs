@@ -19,9 +19,8 @@ pub const MIN_ROWS_PER_GROUP: usize = 16;
 /// Rows of at most this many elements may take more groups, `2²¹ / d` up to
 /// [`MAX_NARROW_GROUPS`]. A narrow row is little work for the block walking it, and each group is
 /// walked by one block: 512 groups left 1 Mi rows of 512 to 512 blocks of two warps each. Rows of
-/// 1024 keep 512 although their blocks then fill about four fifths of the resident slots: 640 and
-/// 1024 groups measured slower in every plain backward and in LayerNorm's with dresidual (H100,
-/// `bench-results/h200.md`, forty-ninth session).
+/// 1024 keep 512 although their blocks then fill about four fifths of the resident slots: more
+/// groups measured slower in every plain backward (`bench-results/h200.md`, forty-ninth session).
 pub const NARROW_ROW_ELEMS: usize = 512;
 pub const MAX_NARROW_GROUPS: usize = 8192;
 /// Rows of at most this many elements take at most [`SEGMENT_ROW_GROUPS`] groups: their backward

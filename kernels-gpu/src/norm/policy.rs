@@ -27,9 +27,9 @@ pub const STREAM: usize = 0;
 /// its 256 KiB rows take 512-thread blocks, one per SM with the next row (72 registers), two
 /// without (56): 1024×65536 reads 84 % of copy without, 59 with, where 2048×32768 lost 3.5
 /// points (89 → 85.7). Its 16-bit cluster tiles keep it: without, 1024×65536 read 62 against 79
-/// (H100, `bench-results/h200.md`, forty-eighth session). LayerNorm's 16-bit 2-pack tile with the
-/// next row (64 registers, persistent rounds) measured 8–10 points lower at d = 2048 and 4096 on
-/// an H100 (forty-third and forty-ninth sessions); its H200 A/B is still owed.
+/// (H100, `bench-results/h200.md`, forty-eighth session). LayerNorm's 16-bit 2-pack tile measured
+/// slower with the next row (64 registers, persistent rounds) on an H100 (forty-third and
+/// forty-ninth sessions); its H200 A/B is still owed.
 pub const fn forward_prefetches(
     centered: bool,
     residual: bool,
