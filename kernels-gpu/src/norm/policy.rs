@@ -15,21 +15,19 @@ use crate::reduce::ROW_REDUCER_SHARED_WORDS;
 /// instead of held in registers.
 pub const STREAM: usize = 0;
 
-/// Whether a forward register tile (`vpt` ≥ 1) of `elem_bytes` elements loads the next row
-/// before reducing this one: LayerNorm's 4-pack tiles only (at 16 bits, rows wider than 4096).
-/// Their 512-thread blocks (d = 8193..16384) fit one per SM, and the next row's loads hide the
-/// row's latency that no other block on the SM would. RMSNorm's 4-pack tile keeps no next row: its
-/// registers (64 instead of 91) then fit four 256-thread blocks per SM on the one-shot grid
-/// ([`forward_tile_grid`]), or a 1024-thread block that holds a row of 32768 16-bit elements the
-/// streaming tile would read twice. The narrower tiles' blocks fit four or more per SM, a row
-/// each: there the next row's registers would cost resident blocks, which hide the latency
-/// instead. The residual families hold f32 rows: no room. LayerNorm's f32 cluster tile neither:
-/// its 256 KiB rows take 512-thread blocks, one per SM with the next row (72 registers), two
-/// without (56): 1024×65536 reads 84 % of copy without, 59 with, where 2048×32768 lost 3.5
-/// points (89 → 85.7). Its 16-bit cluster tiles keep it: without, 1024×65536 read 62 against 79
-/// (H100, `bench-results/h200.md`, forty-eighth session). LayerNorm's 16-bit 2-pack tile measured
-/// slower with the next row (64 registers, persistent rounds) on an H100 (forty-third and
-/// forty-ninth sessions); its H200 A/B is still owed.
+/// Whether a forward register tile (`vpt` ≥ 1) of `elem_bytes` elements, of a block or of a
+/// cluster's block (`cluster`), loads the next row before reducing this one: LayerNorm's 4-pack
+/// tiles (at 16 bits, rows wider than 4096) but its f32 cluster tile. Their 512-thread blocks
+/// (d = 8193..16384) fit one per SM, and the next row's loads hide the row's latency that no other
+/// block on the SM would. RMSNorm's 4-pack tile keeps no next row: its registers then fit four
+/// 256-thread blocks per SM on the one-shot grid ([`forward_tile_grid`]), or a 1024-thread block
+/// that holds a row of 32768 16-bit elements the streaming tile would read twice. The narrower
+/// tiles' blocks fit four or more per SM, a row each: there the next row's registers would cost
+/// resident blocks, which hide the latency instead. The residual families hold f32 rows: no room.
+/// LayerNorm's f32 cluster tile neither: without the next row its 512-thread blocks fit two per SM
+/// instead of one, faster at its 256 KiB rows; its 16-bit cluster tiles were much slower without
+/// it. LayerNorm's 2-pack tile was slower with it on H100s; its H200 A/B is still owed
+/// (`bench-results/h200.md`, forty-third, forty-eighth and forty-ninth sessions).
 pub const fn forward_prefetches(
     centered: bool,
     residual: bool,
@@ -54,9 +52,9 @@ const FORWARD_BLOCK_ROW_BYTES: usize = 64 * 1024;
 const FORWARD_CLUSTER_ROW_BYTES: usize = 256 * 1024;
 
 /// The widest row (elements) of a forward that holds its row as f32 — LayerNorm's plain 4-pack
-/// tile (113 registers) and both residual families' tiles — that does not take a cluster: a
-/// block holds no 16-bit row of 32768 in registers, and streaming one from L2 is slower. And
-/// LayerNorm's widest residual row that does take one (measured at 128 KiB only).
+/// tile and both residual families' tiles — that does not take a cluster: a block holds no
+/// 16-bit row of 32768 in registers, and streaming one from L2 is slower. And LayerNorm's widest
+/// residual row that does take one (measured at 128 KiB only).
 const F32_BLOCK_ROW_ELEMS: usize = 16384;
 const LAYER_NORM_RESIDUAL_CLUSTER_ROW_BYTES: usize = 128 * 1024;
 
@@ -64,13 +62,12 @@ const LAYER_NORM_RESIDUAL_CLUSTER_ROW_BYTES: usize = 128 * 1024;
 /// Forward rows are independent: with a row per SM or more, a block per row outruns a cluster
 /// per row where the row fits a block's registers. Rows too wide for that but not for a
 /// cluster's registers are the exception: a cluster reads them once where a block would read
-/// them twice or stream them (H100, % of copy, 16 bits: RMSNorm 1024×65536 78 → 88, its rows of
-/// 64–256 KiB; LayerNorm, its statistics in one exchange, 1024×65536 66 → 79, 2048×32768
-/// 82.7 → 84.8, f32 2048×32768 78 → 86–89, f32 1024×65536 68 → 84 (with no next row in flight,
-/// see [`forward_prefetches`]); the residual forms 2048×32768 77–81 → 90–91 and LayerNorm's
-/// 1024×65536 62 → 88.5; against f32 4096×16384 91 → 89, which keeps a block). Wider rows would
-/// stream over a cluster as well: not measured with many rows, they keep a block each
-/// (`bench-results/h200.md`, forty-fourth, forty-seventh and forty-eighth sessions).
+/// them twice or stream them — RMSNorm's plain rows of 64–256 KiB, and past 16384 elements the
+/// tiles that hold the row as f32 (LayerNorm's plain tiles, both residual families'): LayerNorm's
+/// residual rows up to 128 KiB (measured there only), the others up to 256 KiB. f32 rows of 16384
+/// elements were slower on clusters and keep a block. Wider rows would stream over a cluster as
+/// well: not measured with many rows, they keep a block each (`bench-results/h200.md`,
+/// forty-fourth, forty-seventh and forty-eighth sessions).
 pub const fn forward_clusters(
     centered: bool,
     residual: bool,
