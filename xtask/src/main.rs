@@ -15,12 +15,16 @@
 //! - `plot-sweep --csv FILE [--peers FILE] [--out FILE]`: draw a sweep's CSV as a PNG (% of copy
 //!   against d), the best of `tests/peers/peers.py`'s JSON dashed; by default beside the CSV.
 //!   Needs the `plot` feature: `cargo run --release -p xtask --features plot -- plot-sweep …`.
+//! - `sweep-table --csv FILE [--peers FILE] [--dtype bf16]`: print one dtype of a sweep's CSV as a
+//!   Markdown table (d × op and direction, % of copy), each bf16 figure beside the best peer of
+//!   `tests/peers/peers.py`'s JSON from the same call.
 
 #[cfg(feature = "plot")]
 mod plot;
 // Without `plot` only its tests use it: they run in every `cargo test`.
 #[cfg_attr(not(feature = "plot"), allow(dead_code))]
 mod sweep_lines;
+mod sweep_table;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -49,9 +53,11 @@ fn main() -> ExitCode {
         Some("plot-sweep") => {
             Err("plot-sweep needs the plot feature: cargo run --release -p xtask --features plot -- plot-sweep …".into())
         }
+        Some("sweep-table") => sweep_table(&args[1..]),
         _ => Err(
             "usage: cargo xtask <build-ptx [--check] [--arch ARCH] | ptxas | bundle [DIR] | bench [ARGS] \
-             | plot-sweep --csv FILE [--peers FILE] [--out FILE]>"
+             | plot-sweep --csv FILE [--peers FILE] [--out FILE] \
+             | sweep-table --csv FILE [--peers FILE] [--dtype DTYPE]>"
                 .into(),
         ),
     };
@@ -562,6 +568,24 @@ fn bench(args: &[String]) -> Result {
             ])
             .args(args),
     )
+}
+
+/// `sweep-table --csv FILE [--peers FILE] [--dtype bf16]`.
+fn sweep_table(args: &[String]) -> Result {
+    let flag = |name: &str| {
+        let i = args.iter().position(|a| a == name)?;
+        args.get(i + 1).map(String::as_str)
+    };
+    let read = |path: &str| std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"));
+    let csv = flag("--csv").ok_or("sweep-table needs --csv FILE (the bench's --sweep output)")?;
+    let peers = flag("--peers").map(read).transpose()?;
+    let table = sweep_table::markdown(
+        &read(csv)?,
+        peers.as_deref(),
+        flag("--dtype").unwrap_or("bf16"),
+    )?;
+    print!("{table}");
+    Ok(())
 }
 
 #[cfg(test)]

@@ -38,6 +38,8 @@ pub(crate) struct Line {
     pub(crate) label: String,
     /// The op and direction the colour stands for.
     pub(crate) op_direction: (String, String),
+    /// The bench's lines: their dtype; a peer's line: none (the best of any storage).
+    pub(crate) dtype: Option<String>,
     pub(crate) stroke: Stroke,
     pub(crate) points: Vec<(f64, f64)>,
 }
@@ -90,6 +92,7 @@ pub(crate) fn measured_lines(csv: &str) -> Result<(Vec<Line>, f64)> {
             None => lines.push(Line {
                 label,
                 op_direction: (field(op).into(), field(direction).into()),
+                dtype: Some(field(dtype).into()),
                 stroke: Stroke::Solid(Marker::of_dtype(field(dtype))),
                 points: vec![point],
             }),
@@ -101,22 +104,24 @@ pub(crate) fn measured_lines(csv: &str) -> Result<(Vec<Line>, f64)> {
     Ok((lines, copy_gbs))
 }
 
+/// The best peer's % of copy and name at each d, per (op, direction).
+pub(crate) type BestPeers = BTreeMap<(String, String), BTreeMap<u64, (f64, String)>>;
+
 /// The best peer per op and direction at each d of `peers.py`'s JSON (a list of records: one
 /// `{"impl": "copy", "gbs"}`, then `{impl, op: "rms"|"ln", rows, d, fwd_gbs, bwd_gbs, ...}`), as %
-/// of the copy bandwidth measured in the same run. A record whose `fwd_host_bound` or
-/// `bwd_host_bound` is true (`tests/peers/peers.py`: the call's host time outlasted the spin it
-/// was queued behind, so its device time is unknown) leaves that direction's point at its d out:
-/// the best of the others would not be the best peer.
-pub(crate) fn peer_lines(json: &str) -> Result<Vec<Line>> {
+/// of the copy bandwidth measured in the same run, keyed by the bench's op names (`rms_norm`,
+/// `layer_norm`). A record whose `fwd_host_bound` or `bwd_host_bound` is true
+/// (`tests/peers/peers.py`: the call's host time outlasted the spin it was queued behind, so its
+/// device time is unknown) leaves that direction's point at its d out: the best of the others
+/// would not be the best peer.
+pub(crate) fn best_peers(json: &str) -> Result<BestPeers> {
     let records: Vec<serde_json::Value> = serde_json::from_str(json).map_err(|e| e.to_string())?;
     let copy_gbs = records
         .iter()
         .find(|r| r["impl"] == "copy")
         .and_then(|r| r["gbs"].as_f64())
         .ok_or("no copy record")?;
-    // The best % of copy at each d, and which peer it is.
-    type BestByD<'a> = BTreeMap<u64, (f64, &'a str)>;
-    let mut best: BTreeMap<(&str, &str), BestByD> = BTreeMap::new();
+    let mut best = BestPeers::new();
     let mut unknown: Vec<(&str, &str, u64)> = Vec::new();
     for r in &records {
         let op = match r["op"].as_str() {
@@ -136,28 +141,34 @@ pub(crate) fn peer_lines(json: &str) -> Result<Vec<Line>> {
                 continue;
             };
             let pct = 100.0 * gbs / copy_gbs;
-            let at_d = best.entry((op, direction)).or_default().entry(d);
-            let entry = at_d.or_insert((pct, peer));
+            let by_d = best.entry((op.into(), direction.into())).or_default();
+            let entry = by_d.entry(d).or_insert((pct, peer.into()));
             if pct > entry.0 {
-                *entry = (pct, peer);
+                *entry = (pct, peer.into());
             }
         }
     }
     for (op, direction, d) in unknown {
-        if let Some(by_d) = best.get_mut(&(op, direction)) {
+        if let Some(by_d) = best.get_mut(&(op.into(), direction.into())) {
             by_d.remove(&d);
         }
     }
-    Ok(best
+    best.retain(|_, by_d| !by_d.is_empty());
+    Ok(best)
+}
+
+/// The best peers ([`best_peers`]) as one dashed line per op and direction.
+pub(crate) fn peer_lines(json: &str) -> Result<Vec<Line>> {
+    Ok(best_peers(json)?
         .into_iter()
-        .filter(|(_, by_d)| !by_d.is_empty())
         .map(|((op, direction), by_d)| {
-            let mut winners: Vec<&str> = by_d.values().map(|&(_, peer)| peer).collect();
+            let mut winners: Vec<&str> = by_d.values().map(|(_, peer)| peer.as_str()).collect();
             winners.sort();
             winners.dedup();
             Line {
                 label: format!("{op} {direction}, best peer ({})", winners.join(", ")),
-                op_direction: (op.into(), direction.into()),
+                op_direction: (op, direction),
+                dtype: None,
                 stroke: Stroke::Dashed,
                 points: by_d.iter().map(|(&d, &(pct, _))| (d as f64, pct)).collect(),
             }
