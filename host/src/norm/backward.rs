@@ -504,12 +504,16 @@ pub(crate) mod tests {
     use normkern_gpu::kernel::Kernel;
     use normkern_gpu::reduce::ROW_REDUCER_SHARED_WORDS;
 
-    /// Registers per thread of the bf16 kernels (ptxas, sm_90).
+    /// Registers per thread of the bf16 kernels, and of the f32 cluster backwards (ptxas, sm_90).
     pub(crate) fn registers(name: &str) -> usize {
         let tile = name.rsplit('_').next().unwrap_or("");
         let backward = name.contains("_bwd");
         match (backward, tile) {
             _ if name.starts_with("column_sum") => 32,
+            _ if name == "rms_norm_bwd_f32_v2c" => 64,
+            _ if name == "layer_norm_bwd_f32_v2c" => 80,
+            _ if name == "rms_norm_bwd_f32_v4c" => 172,
+            _ if name == "layer_norm_bwd_f32_v4c" => 212,
             (true, "v1" | "v1c" | "s1") => 80,
             (true, "v2" | "s2") => 124,
             // RMSNorm's 2-pack cluster tile fits 512 threads, LayerNorm's does not.
@@ -755,6 +759,29 @@ pub(crate) mod tests {
         // dγ and dβ in one column-sum launch, four columns per thread.
         assert_ne!(plan.gradients.sums.as_ref().unwrap().params.partials2, 0);
         assert_eq!(plan.gradients.sums.as_ref().unwrap().params.columns, 4);
+    }
+
+    #[test]
+    fn f32_rows_of_65536_stay_in_registers_where_the_ring_fits() {
+        // (norm, kernel, block): RMSNorm's f32 2-access cluster tile fits 1024 threads by its
+        // registers and, with a ring of three 64 KiB stages, by its shared memory; LayerNorm's does
+        // not fit 1024 threads (80 registers) and streams the row over the cluster.
+        for (norm, kernel, block) in [
+            (Norm::Rms, "rms_norm_bwd_f32_v2c", 1024),
+            (Norm::Layer, "layer_norm_bwd_f32_vxc", 800),
+        ] {
+            let mut c = call(norm, 1024, 65536);
+            c.key = NormKey::call(norm, false, KernelDtype::F32);
+            c.grad_dtype = KernelDtype::F32;
+            let rows = plan(&c, &H200).unwrap().rows.unwrap();
+            assert_eq!(
+                (rows.kernel.name, rows.block, rows.cluster),
+                (kernel, block, 8),
+                "{norm:?}"
+            );
+            assert!(rows.shared_bytes <= H200.shared_opt_in(), "{norm:?}");
+            assert_eq!(rows.shared_bytes, (rows.kernel.shared_bytes)(rows.block));
+        }
     }
 
     #[test]

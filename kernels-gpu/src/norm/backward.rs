@@ -5,6 +5,7 @@ use super::Normalization;
 use super::params::BackwardParams;
 use super::policy::{
     STREAM, block_stages_rows, gamma_end, instance_backward_words, plain_adds_dresidual, staged,
+    staged_stages,
 };
 use super::rows::{Plain, ResidualBackward, RowSource, group_rows, param, row_stats_stream};
 use super::segments::{SEGMENT_THREADS, backward_segments, combine_words};
@@ -40,7 +41,8 @@ pub unsafe fn backward<
     } else {
         arch::block_dim()
     };
-    let slots = instance_backward_words::<N, VEC, VPT, RESIDUAL, CLUSTER, LANES, RING>(threads).0;
+    let slots =
+        instance_backward_words::<T, N, VEC, VPT, RESIDUAL, CLUSTER, LANES, RING>(threads).0;
     let plain = Plain::backward(p, plain_adds_dresidual(VPT, LANES), slots);
     let area = combine_words(
         gamma_end(N::CENTERED, VPT, LANES, SEGMENT_THREADS),
@@ -68,7 +70,12 @@ pub unsafe fn backward<
                         || block_stages_rows(arch::block_dim())
                         || (RING && p.stage_rows != 0)) =>
             {
-                backward_staged::<T, VEC, VPT, N>(p, plain, team)
+                // The ring's depth is a constant of the instance (`i % STAGES` a mask at 4).
+                if staged_stages(N::CENTERED, T::BYTES, VPT, CLUSTER) == 3 {
+                    backward_staged::<T, VEC, VPT, N, 3>(p, plain, team)
+                } else {
+                    backward_staged::<T, VEC, VPT, N, 4>(p, plain, team)
+                }
             }
             (false, false) => backward_regs::<T, VEC, VPT, N, _>(p, plain, team),
             (false, true) => backward_regs::<T, VEC, VPT, N, _>(p, ResidualBackward::new(p), team),

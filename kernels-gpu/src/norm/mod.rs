@@ -64,7 +64,6 @@ pub use policy::{
     forward_prefetches, forward_segments_one_shot, forward_stream_threads, forward_tile_grid,
     forward_wide_block_first,
 };
-pub use staged::STAGES;
 
 use crate::kernel::Dtype;
 #[cfg(not(target_arch = "nvptx64"))]
@@ -283,7 +282,7 @@ macro_rules! norm_kernels {
             ring: $ring,
         };
         $crate::kernel::kernel!(table $entry, KEY, $arch,
-            $shared::<$norm, $vec, $vpt, $res, $cluster, $lanes, $ring>,
+            $shared::<$crate::element::$t, $norm, $vec, $vpt, $res, $cluster, $lanes, $ring>,
             $large(KEY),
             $registers(KEY),
             $body::<$crate::element::$t, $vec, $vpt, $norm, $res, $cluster, $lanes, $ring>)

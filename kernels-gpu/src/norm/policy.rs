@@ -9,6 +9,7 @@ use super::staged::staged_words_end;
 use super::tile::SharedGamma;
 use super::{Norm, NormKey, Normalization};
 use crate::arch;
+use crate::element::Element;
 use crate::reduce::ROW_REDUCER_SHARED_WORDS;
 
 /// Accesses per thread of the streaming instances: the row is re-read from memory (mostly L2)
@@ -351,6 +352,24 @@ pub const fn block_stages_rows(threads: usize) -> bool {
     arch::SM_90 && threads >= 128
 }
 
+/// Rows in flight per block of a [`staged`] instance. Each stage holds the block's share of x and
+/// dy (2 operands × `vpt` accesses × 16 bytes per thread: at 4 accesses × 256 threads, 32 KiB);
+/// four keep three rows loading while one is worked on (two during pass 1 where a dresidual is
+/// added: pass 2 reads the row's stage again, so the stage before it is the one refilled).
+/// RMSNorm's f32 2-access cluster tile takes three: ptxas gives it 64 registers (its ring index
+/// divided in 32 bits, `StagedRows::stage`), so a row of 65536 f32 fits its 1024-thread blocks
+/// over a cluster of 8, whose stage is 64 KiB — four of those do not fit an SM's 227 KiB, and
+/// without the ring that row streamed from L2, read twice. (Should a ptxas take more registers,
+/// the launch plan, which reads the kernel's limits, streams the row as before.) LayerNorm's
+/// takes 80 registers, too many for 1024 threads: a deeper ring would not help it.
+pub const fn staged_stages(centered: bool, bytes: usize, vpt: usize, cluster: bool) -> usize {
+    if !centered && bytes == 4 && vpt == 2 && cluster {
+        3
+    } else {
+        4
+    }
+}
+
 /// Whether a backward block tile (`key`, its `ring` unset) has a ring instance
 /// (`NormKey::ring`, sm_90): the plain packed one-access tiles, which stage a row in one pass.
 pub const fn has_ring_instance(key: NormKey) -> bool {
@@ -384,6 +403,7 @@ pub(super) const fn gamma_end(centered: bool, vpt: usize, lanes: usize, threads:
 
 /// Dynamic shared memory of a forward block of `threads` threads ([`forward_words`]).
 pub fn forward_shared_bytes<
+    T: Element,
     N: Normalization,
     const VEC: bool,
     const VPT: usize,
@@ -405,6 +425,7 @@ pub fn forward_shared_bytes<
 #[allow(clippy::too_many_arguments)]
 pub(super) const fn backward_words(
     centered: bool,
+    bytes: usize,
     vec: bool,
     vpt: usize,
     residual: bool,
@@ -417,7 +438,8 @@ pub(super) const fn backward_words(
     let words = if lanes != 0 {
         combine_words(end, vpt, lanes).1
     } else if ring || staged(centered, vec, cluster, residual, vpt, lanes) {
-        staged_words_end(end, vpt, threads)
+        let stages = staged_stages(centered, bytes, vpt, cluster);
+        staged_words_end(end, stages, vpt, threads)
     } else {
         end
     };
@@ -433,6 +455,7 @@ pub(super) const fn backward_words(
 /// [`gamma_in_shared`], the rows in flight where [`staged`] or the segment teams' combine area,
 /// and the dresidual slots where [`plain_adds_dresidual`].
 pub fn backward_shared_bytes<
+    T: Element,
     N: Normalization,
     const VEC: bool,
     const VPT: usize,
@@ -443,12 +466,13 @@ pub fn backward_shared_bytes<
 >(
     threads: usize,
 ) -> usize {
-    instance_backward_words::<N, VEC, VPT, RESIDUAL, CLUSTER, LANES, RING>(threads).1 * 4
+    instance_backward_words::<T, N, VEC, VPT, RESIDUAL, CLUSTER, LANES, RING>(threads).1 * 4
 }
 
 /// [`backward_words`] of one kernel instance.
 #[inline(always)]
 pub(super) const fn instance_backward_words<
+    T: Element,
     N: Normalization,
     const VEC: bool,
     const VPT: usize,
@@ -461,6 +485,7 @@ pub(super) const fn instance_backward_words<
 ) -> (usize, usize) {
     backward_words(
         N::CENTERED,
+        T::BYTES,
         VEC,
         VPT,
         RESIDUAL,

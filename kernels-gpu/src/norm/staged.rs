@@ -15,8 +15,8 @@ use crate::reduce::{RowReducer, Team};
 /// A team's rows in order, one at a time: the rows of its groups `first, first + stride, …` of
 /// `per_group` rows each (but the last of all, which ends at `rows`). Groups may be shorter than
 /// the ring is deep (small batches have groups of one row): the ring's filler walks the team's
-/// rows with one of these, [`STAGES`] rows ahead of the rows being worked on (one fewer where
-/// pass 2 reads its row again, [`staged_rows`]). Additions only, no division: the widest tiles
+/// rows with one of these, as many rows ahead of the rows being worked on as the ring has stages
+/// (one fewer where pass 2 reads its row again, [`staged_rows`]). Additions only, no division: the widest tiles
 /// have no registers to spare.
 #[derive(Clone, Copy)]
 pub(super) struct TeamRows {
@@ -62,26 +62,26 @@ impl TeamRows {
     }
 }
 
-/// Rows in flight per block of a `staged` backward. Each holds the block's share of x and dy
-/// (at 4 packs × 256 threads, 32 KiB); four keep three rows loading while one is worked on (two
-/// during pass 1 where a dresidual is added: pass 2 reads the row's stage again, so the stage
-/// before it is the one refilled).
-pub const STAGES: usize = 4;
-
-/// The end of a [`StagedRows`] ring that follows `start` words: the stages, 128-byte aligned
-/// (x and dy, `vpt` accesses of 16 bytes per thread each), then one mbarrier per stage.
-pub(super) const fn staged_words_end(start: usize, vpt: usize, threads: usize) -> usize {
-    start.next_multiple_of(32) + STAGES * 2 * vpt * threads * 4 + 2 * STAGES
+/// The end of a [`StagedRows`] ring of `stages` rows that follows `start` words: the stages,
+/// 128-byte aligned (x and dy, `vpt` accesses of 16 bytes per thread each), then one mbarrier per
+/// stage.
+pub(super) const fn staged_words_end(
+    start: usize,
+    stages: usize,
+    vpt: usize,
+    threads: usize,
+) -> usize {
+    start.next_multiple_of(32) + stages * 2 * vpt * threads * 4 + 2 * stages
 }
 
-/// A ring of [`STAGES`] rows in shared memory, filled by the copy engine
+/// A ring of `STAGES` rows in shared memory (`super::policy::staged_stages`), filled by the copy engine
 /// ([`arch::SharedF32::bulk_copy_from`]) and drained into registers by every thread. One thread
 /// fills; each stage's mbarrier counts the bytes of its row, and its phase says which row.
 ///
 /// A block's accesses `k` cover `block · LEN` consecutive elements of the row (the team's threads
 /// are the blocks' in rank order), so each is one bulk copy per operand, and thread t's pack sits
 /// at 16·t bytes into it: a warp's shared loads take consecutive 16 bytes, no bank conflicts.
-pub(super) struct StagedRows<T: Element, const VPT: usize> {
+pub(super) struct StagedRows<T: Element, const VPT: usize, const STAGES: usize> {
     /// Word of stage 0, x's first access.
     base: usize,
     /// Word of stage 0's mbarrier.
@@ -95,7 +95,7 @@ pub(super) struct StagedRows<T: Element, const VPT: usize> {
     element: core::marker::PhantomData<T>,
 }
 
-impl<T: Element, const VPT: usize> StagedRows<T, VPT> {
+impl<T: Element, const VPT: usize, const STAGES: usize> StagedRows<T, VPT, STAGES> {
     /// A ring after the block's first `start` words; thread 0 makes its mbarriers.
     ///
     /// # Safety
@@ -133,6 +133,27 @@ impl<T: Element, const VPT: usize> StagedRows<T, VPT> {
         ring
     }
 
+    /// The stage of the team's `i`-th row. A ring of three divides in 32 bits: 64-bit division by a
+    /// constant cost its tile 7 registers, past the 64 its 1024-thread blocks allow.
+    #[inline(always)]
+    pub(super) fn stage(i: usize) -> usize {
+        if STAGES.is_power_of_two() {
+            i % STAGES
+        } else {
+            (i as u32 % STAGES as u32) as usize
+        }
+    }
+
+    /// The mbarrier phase of the team's `i`-th row: its stage's round, modulo 2.
+    #[inline(always)]
+    fn phase(i: usize) -> u32 {
+        if STAGES.is_power_of_two() {
+            (i / STAGES % 2) as u32
+        } else {
+            i as u32 / STAGES as u32 % 2
+        }
+    }
+
     /// The first word of access `k` of `operand` (0: x, 1: dy) in `stage`.
     #[inline(always)]
     pub(super) fn word(&self, stage: usize, operand: usize, k: usize) -> usize {
@@ -147,7 +168,7 @@ impl<T: Element, const VPT: usize> StagedRows<T, VPT> {
     #[inline(always)]
     pub(super) unsafe fn fill(&self, p: &BackwardParams, i: usize, row: usize) {
         let shared = arch::shared_f32();
-        let stage = i % STAGES;
+        let stage = Self::stage(i);
         let barrier = self.barriers + 2 * stage;
         let x_row = row_addr::<T>(p.x, row, p.x_stride);
         let dy_row = row_addr::<T>(p.dy, row, p.dy_stride);
@@ -185,8 +206,8 @@ impl<T: Element, const VPT: usize> StagedRows<T, VPT> {
         elem: impl Fn(usize) -> usize,
     ) -> ([Pack; VPT], [Pack; VPT]) {
         let shared = arch::shared_f32();
-        let stage = i % STAGES;
-        unsafe { shared.mbarrier_wait(self.barriers + 2 * stage, (i / STAGES % 2) as u32) };
+        let stage = Self::stage(i);
+        unsafe { shared.mbarrier_wait(self.barriers + 2 * stage, Self::phase(i)) };
         let own = arch::thread_idx() * 4;
         let mut x: [Pack; VPT] = [[0; 4]; VPT];
         let mut dy: [Pack; VPT] = [[0; 4]; VPT];
@@ -226,13 +247,14 @@ impl<T: Element, const VPT: usize> StagedRows<T, VPT> {
 }
 
 /// The [`staged`] backward: as [`backward_regs`], with the rows arriving through [`StagedRows`]
-/// instead of one prefetched row in registers.
+/// of `STAGES` rows instead of one prefetched row in registers.
 #[inline(always)]
 pub(super) unsafe fn backward_staged<
     T: Element,
     const VEC: bool,
     const VPT: usize,
     N: Normalization,
+    const STAGES: usize,
 >(
     p: &BackwardParams,
     src: Plain,
@@ -240,7 +262,11 @@ pub(super) unsafe fn backward_staged<
 ) {
     let d = p.d as usize;
     let ring = unsafe {
-        StagedRows::<T, VPT>::new(gamma_end(N::CENTERED, VPT, 0, arch::block_dim()), team, d)
+        StagedRows::<T, VPT, STAGES>::new(
+            gamma_end(N::CENTERED, VPT, 0, arch::block_dim()),
+            team,
+            d,
+        )
     };
     let mut reducer = unsafe { RowReducer::new(team) };
     let tile = unsafe { BackwardTile::<T, VEC, VPT, N, Plain>::new(p, src, team) };
@@ -248,9 +274,9 @@ pub(super) unsafe fn backward_staged<
     // one that reads each row twice.
     unsafe {
         if <Plain as RowSource<T, VEC>>::has_extra(&src) {
-            staged_rows::<T, VEC, VPT, N, true>(p, &ring, &mut reducer, &tile, team)
+            staged_rows::<T, VEC, VPT, N, STAGES, true>(p, &ring, &mut reducer, &tile, team)
         } else {
-            staged_rows::<T, VEC, VPT, N, false>(p, &ring, &mut reducer, &tile, team)
+            staged_rows::<T, VEC, VPT, N, STAGES, false>(p, &ring, &mut reducer, &tile, team)
         }
     }
 }
@@ -268,10 +294,11 @@ unsafe fn staged_rows<
     const VEC: bool,
     const VPT: usize,
     N: Normalization,
+    const STAGES: usize,
     const REREAD: bool,
 >(
     p: &BackwardParams,
-    ring: &StagedRows<T, VPT>,
+    ring: &StagedRows<T, VPT, STAGES>,
     reducer: &mut RowReducer,
     tile: &BackwardTile<T, VEC, VPT, N, Plain>,
     team: Team,
@@ -327,7 +354,8 @@ unsafe fn staged_rows<
                     fill.advance();
                 }
                 if REREAD {
-                    let (x, dy) = ring.read(i % STAGES, |k| tile.elem(k));
+                    let (x, dy) =
+                        ring.read(StagedRows::<T, VPT, STAGES>::stage(i), |k| tile.elem(k));
                     let (_, stats, sums) = pass1;
                     let this = (x, dy, [[0; 4]; VPT], stats);
                     tile.pass2(

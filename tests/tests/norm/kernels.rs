@@ -236,12 +236,14 @@ fn emulator_rows_split_over_clusters_match_reference() {
     let mut rng = Rng::fresh("emulator_clusters");
     // (rows, d, block limit, clusters up to): 2 × 64 threads × 4 packs; 8 × 32 × 4; streaming;
     // 2 × 64 × 4 again over two dweight groups (16 + 4 rows), reusing every mailbox slot and
-    // stage.
+    // stage; RMSNorm's 8 × 64 × 2, whose f32 ring has three stages (`staged_stages`), wrapped
+    // several times (LayerNorm's 4 × 64 × 4).
     let shapes = [
         (3, 2048, 64, 2),
         (2, 4096, 32, 8),
         (3, 1100, 32, 2),
         (20, 2048, 64, 2),
+        (20, 4096, 64, 8),
     ];
     for kind in [Kind::Rms, Kind::Layer { bias: true }] {
         for (i, &(rows, d, block_limit, clusters)) in shapes.iter().enumerate() {
