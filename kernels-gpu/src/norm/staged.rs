@@ -16,8 +16,8 @@ use crate::reduce::{RowReducer, Team};
 /// `per_group` rows each (but the last of all, which ends at `rows`). Groups may be shorter than
 /// the ring is deep (small batches have groups of one row): the ring's filler walks the team's
 /// rows with one of these, as many rows ahead of the rows being worked on as the ring has stages
-/// (one fewer where pass 2 reads its row again, [`staged_rows`]). Additions only, no division: the widest tiles
-/// have no registers to spare.
+/// (one fewer where pass 2 reads its row again, [`staged_rows`]). Additions only, no division:
+/// the widest tiles have no registers to spare.
 #[derive(Clone, Copy)]
 pub(super) struct TeamRows {
     row: usize,
@@ -74,9 +74,9 @@ pub(super) const fn staged_words_end(
     start.next_multiple_of(32) + stages * 2 * vpt * threads * 4 + 2 * stages
 }
 
-/// A ring of `STAGES` rows in shared memory (`super::policy::staged_stages`), filled by the copy engine
-/// ([`arch::SharedF32::bulk_copy_from`]) and drained into registers by every thread. One thread
-/// fills; each stage's mbarrier counts the bytes of its row, and its phase says which row.
+/// A ring of `STAGES` rows in shared memory (`super::policy::staged_stages`), filled by the copy
+/// engine ([`arch::SharedF32::bulk_copy_from`]) and drained into registers by every thread. One
+/// thread fills; each stage's mbarrier counts the bytes of its row, and its phase says which row.
 ///
 /// A block's accesses `k` cover `block · LEN` consecutive elements of the row (the team's threads
 /// are the blocks' in rank order), so each is one bulk copy per operand, and thread t's pack sits
