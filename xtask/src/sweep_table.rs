@@ -119,6 +119,25 @@ mod tests {
         assert!(rows[5].contains("3000 GB/s") && rows[5].contains("c = compile, l = liger"));
     }
 
+    /// The README's sweep tables are this function's output for the files in bench-results, so
+    /// they cannot drift from the data they quote.
+    #[test]
+    fn the_readme_quotes_the_bench_results_tables() {
+        let root = crate::root();
+        let read = |path: &str| std::fs::read_to_string(root.join(path)).unwrap();
+        let readme = read("README.md");
+        for gpu in ["h100", "h200"] {
+            let csv = read(&format!("bench-results/sweep-{gpu}.csv"));
+            let peers = read(&format!("bench-results/peers-{gpu}.json"));
+            let table = markdown(&csv, Some(&peers), "bf16").unwrap();
+            assert!(
+                readme.contains(&table),
+                "README.md does not hold the {gpu} sweep's table (cargo xtask sweep-table \
+                 --csv bench-results/sweep-{gpu}.csv --peers bench-results/peers-{gpu}.json)"
+            );
+        }
+    }
+
     #[test]
     fn other_dtypes_stand_alone_and_never_beside_the_bf16_peers() {
         let table = markdown(CSV, None, "f32").unwrap();
