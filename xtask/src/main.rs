@@ -170,7 +170,7 @@ fn compile_ptx(arch: &str) -> Result<String> {
             .arg(&target_dir),
     )?;
     let out = target_dir.join("nvptx64-nvidia-cuda/release/normkern_gpu.ptx");
-    let ptx = std::fs::read_to_string(&out).map_err(|e| format!("{}: {e}", out.display()))?;
+    let ptx = read_text(&out)?;
     if let Some(line) = ptx.lines().find(|l| l.contains(&*root.to_string_lossy())) {
         return Err(format!(
             "{arch}: PTX contains a path of this checkout, so it is not reproducible: {line}"
@@ -570,21 +570,28 @@ fn bench(args: &[String]) -> Result {
     )
 }
 
+/// The value after `name` in a task's arguments (`--csv FILE`).
+fn flag<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
+    let i = args.iter().position(|a| a == name)?;
+    args.get(i + 1).map(String::as_str)
+}
+
+/// A text file, or an error that names it.
+fn read_text(path: impl AsRef<Path>) -> Result<String> {
+    let path = path.as_ref();
+    std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))
+}
+
 /// `sweep-table --csv FILE [--peers FILE] [--dtype bf16]`.
 fn sweep_table(args: &[String]) -> Result {
-    let flag = |name: &str| {
-        let i = args.iter().position(|a| a == name)?;
-        args.get(i + 1).map(String::as_str)
-    };
-    let read = |path: &str| std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"));
-    let csv = flag("--csv").ok_or("sweep-table needs --csv FILE (the bench's --sweep output)")?;
-    let peers = flag("--peers").map(read).transpose()?;
-    let table = sweep_table::markdown(
-        &read(csv)?,
-        peers.as_deref(),
-        flag("--dtype").unwrap_or("bf16"),
-    )?;
-    print!("{table}");
+    let csv =
+        flag(args, "--csv").ok_or("sweep-table needs --csv FILE (the bench's --sweep output)")?;
+    let peers = flag(args, "--peers").map(read_text).transpose()?;
+    let dtype = flag(args, "--dtype").unwrap_or("bf16");
+    print!(
+        "{}",
+        sweep_table::markdown(&read_text(csv)?, peers.as_deref(), dtype)?
+    );
     Ok(())
 }
 

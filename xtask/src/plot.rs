@@ -35,19 +35,13 @@ const PALETTE: [RGBColor; 10] = [
 
 /// `plot-sweep --csv FILE [--peers FILE] [--out FILE]` (by default the CSV's path as .png).
 pub fn plot_sweep(args: &[String]) -> Result {
-    let flag = |name: &str| {
-        let i = args.iter().position(|a| a == name)?;
-        args.get(i + 1).map(PathBuf::from)
-    };
+    let flag = |name: &str| crate::flag(args, name).map(PathBuf::from);
     let csv = flag("--csv").ok_or("plot-sweep needs --csv FILE (the bench's --sweep output)")?;
     let out = flag("--out").unwrap_or_else(|| csv.with_extension("png"));
-    let read = |path: &PathBuf| {
-        std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))
-    };
-    let (mut lines, copy_gbs) = measured_lines(&read(&csv)?)?;
+    let (mut lines, copy_gbs) = measured_lines(&crate::read_text(&csv)?)?;
     if let Some(path) = flag("--peers") {
-        let mut peers =
-            peer_lines(&read(&path)?).map_err(|e| format!("{}: {e}", path.display()))?;
+        let mut peers = peer_lines(&crate::read_text(&path)?)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
         // In the legend, in the order of the bench's own lines of the same op and direction.
         peers.sort_by_key(|p| lines.iter().position(|l| l.op_direction == p.op_direction));
         lines.extend(peers);

@@ -11,6 +11,11 @@ use crate::sweep_lines::{best_peers, measured_lines};
 /// The dtype `tests/peers/peers.py` measures: the only one a peer stands beside.
 const PEERS_DTYPE: &str = "bf16";
 
+/// The letter that names a peer in a cell (`c` for torch.compile's `compile`).
+fn initial(peer: &str) -> char {
+    peer.chars().next().unwrap_or('?')
+}
+
 /// The table of `dtype`'s lines of the bench's `--sweep` CSV; with the peers' JSON, a cell reads
 /// `normkern / best peer` with the peer's initial, normkern's figure in bold where it leads.
 pub(crate) fn markdown(csv: &str, peers_json: Option<&str>, dtype: &str) -> Result<String> {
@@ -55,13 +60,13 @@ pub(crate) fn markdown(csv: &str, peers_json: Option<&str>, dtype: &str) -> Resu
                 (None, _) => "—".to_string(),
                 (Some(&(_, pct)), None) => format!("{pct:.1}"),
                 (Some(&(_, pct)), Some((best, name))) => {
-                    let initial = name.chars().next().unwrap_or('?');
                     winners.insert(name.as_str());
-                    if pct > *best {
-                        format!("**{pct:.1}** / {best:.1} {initial}")
+                    let ours = if pct > *best {
+                        format!("**{pct:.1}**")
                     } else {
-                        format!("{pct:.1} / {best:.1} {initial}")
-                    }
+                        format!("{pct:.1}")
+                    };
+                    format!("{ours} / {best:.1} {}", initial(name))
                 }
             };
             let _ = write!(out, " {cell} |");
@@ -74,7 +79,7 @@ pub(crate) fn markdown(csv: &str, peers_json: Option<&str>, dtype: &str) -> Resu
     if !winners.is_empty() {
         let names: Vec<String> = winners
             .iter()
-            .map(|n| format!("{} = {n}", n.chars().next().unwrap_or('?')))
+            .map(|n| format!("{} = {n}", initial(n)))
             .collect();
         let _ = write!(
             out,
@@ -124,7 +129,7 @@ mod tests {
     #[test]
     fn the_readme_quotes_the_bench_results_tables() {
         let root = crate::root();
-        let read = |path: &str| std::fs::read_to_string(root.join(path)).unwrap();
+        let read = |path: &str| crate::read_text(root.join(path)).unwrap();
         let readme = read("README.md");
         for gpu in ["h100", "h200"] {
             let csv = read(&format!("bench-results/sweep-{gpu}.csv"));
