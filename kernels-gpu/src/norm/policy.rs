@@ -361,7 +361,9 @@ pub const fn block_stages_rows(threads: usize) -> bool {
 /// over a cluster of 8, whose stage is 64 KiB — four of those do not fit an SM's 227 KiB, and
 /// without the ring that row streamed from L2, read twice. (Should a ptxas take more registers,
 /// the launch plan, which reads the kernel's limits, streams the row as before.) LayerNorm's
-/// takes 80 registers, too many for 1024 threads: a deeper ring would not help it.
+/// takes 80 registers, too many for 1024 threads: a deeper ring would not help it. A rule per
+/// instance, not "the deepest ring that fits": the depth is a constant of the instance, which
+/// serves every block size, and the 16-bit 2-access tiles (blocks of 512 at most) keep four.
 pub const fn staged_stages(centered: bool, bytes: usize, vpt: usize, cluster: bool) -> usize {
     if !centered && bytes == 4 && vpt == 2 && cluster {
         3
