@@ -601,6 +601,7 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
             cluster: 1,
             shared_bytes: (kernel.shared_bytes)(THREADS),
             cooperative: false,
+            overlaps_previous: false,
             params,
         };
         if let Some(gradients) = gradients.as_mut() {

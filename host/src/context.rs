@@ -456,16 +456,21 @@ impl<'s> Executor for Gpu<'s> {
             .cuda
             .bind_to_thread()
             .map_err(Error::driver("cuCtxSetCurrent"))?;
-        let mut attributes = [cluster_attribute(launch.cluster), cooperative_attribute()];
-        // The cluster attribute only for clusters, the cooperative one only when asked for.
-        let used = match (launch.cluster > 1, launch.cooperative) {
-            (true, true) => &mut attributes[..],
-            (true, false) => &mut attributes[..1],
-            (false, true) => &mut attributes[1..],
-            (false, false) => &mut attributes[..0],
-        };
+        // Each attribute only where it applies: clusters of more than one block, cooperative
+        // launches, and overlapping launches where the kernel waits for the previous one itself
+        // (sm_90 builds only: sm_80's kernels do not wait, so they must not overlap).
+        let wanted = [
+            (launch.cluster > 1).then(|| cluster_attribute(launch.cluster)),
+            launch.cooperative.then(cooperative_attribute),
+            (launch.overlaps_previous && self.ctx.ptx_arch >= OVERLAP_MIN_ARCH)
+                .then(overlap_attribute),
+        ];
+        let mut attributes = [cluster_attribute(1); 3];
+        let used = (attributes.iter_mut().zip(wanted.into_iter().flatten()))
+            .map(|(slot, attribute)| *slot = attribute)
+            .count();
         let shape = (launch.grid, launch.block, launch.shared_bytes);
-        let config = launch_config(shape, self.stream.cu_stream(), used);
+        let config = launch_config(shape, self.stream.cu_stream(), &mut attributes[..used]);
         let mut params = launch.params;
         let mut args = [&mut params as *mut P as *mut std::ffi::c_void];
         // SAFETY: the op that planned the launch validated every buffer the parameters point to;
@@ -500,6 +505,20 @@ fn cooperative_attribute() -> sys::CUlaunchAttribute {
     let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
     attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
     attribute.value.cooperative = 1;
+    attribute
+}
+
+/// The oldest build whose kernels wait for the launch they overlap (`griddepcontrol`, sm_90).
+const OVERLAP_MIN_ARCH: u32 = 90;
+
+/// The launch attribute that lets a launch start while the previous one on its stream runs its
+/// last blocks (programmatic dependent launch); the kernel waits for that one before reading
+/// what it wrote.
+fn overlap_attribute() -> sys::CUlaunchAttribute {
+    // SAFETY: as in `cluster_attribute`.
+    let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attribute.value.programmaticStreamSerializationAllowed = 1;
     attribute
 }
 

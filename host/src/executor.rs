@@ -107,6 +107,10 @@ pub(crate) mod private {
         /// All blocks resident at once (`CU_LAUNCH_ATTRIBUTE_COOPERATIVE`): they may wait for
         /// each other at a grid barrier.
         pub cooperative: bool,
+        /// May start while the previous launch on the stream runs its last blocks
+        /// (programmatic dependent launch, sm_90 builds): the kernel waits for that launch to
+        /// complete before it reads what the launch wrote, so the two run in stream order.
+        pub overlaps_previous: bool,
         pub params: P,
     }
 

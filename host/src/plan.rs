@@ -305,6 +305,10 @@ pub(crate) fn column_sum(
         cluster: 1,
         shared_bytes,
         cooperative: false,
+        // It follows the launch that wrote the partial rows and waits for it in the kernel
+        // (`normkern_gpu::arch::wait_for_previous_launch`): its blocks take the SMs that the
+        // backward's last blocks leave instead of waiting for a new launch to start.
+        overlaps_previous: true,
         params: ColumnSumParams {
             partials,
             out,

@@ -162,6 +162,8 @@ pub const CHAIN_PARTS: usize = WARP / CHAIN_COLUMNS;
 /// The params describe valid buffers.
 #[inline(always)]
 pub unsafe fn column_sum<T: Element>(p: &ColumnSumParams) {
+    // Launched to overlap the backward that wrote the partial rows: wait for all of them.
+    arch::wait_for_previous_launch();
     unsafe {
         if p.chained != 0 {
             column_sum_chained::<T>(p)

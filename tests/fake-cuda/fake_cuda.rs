@@ -153,7 +153,7 @@ pub extern "C" fn fake_cuda_fail_next(i: usize, code: CUresult) -> bool {
 }
 
 /// A launch: grid, block, dynamic shared bytes, cluster size (1 without the attribute),
-/// cooperative (0 or 1), and its kernel's name (the address of a NUL-terminated string kept for
+/// cooperative (0 or 1), overlapping the previous launch (0 or 1), and its kernel's name (the address of a NUL-terminated string kept for
 /// the process's life).
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -163,6 +163,7 @@ pub struct FakeLaunch {
     pub shared_bytes: u32,
     pub cluster: u32,
     pub cooperative: u32,
+    pub overlaps: u32,
     pub kernel: usize,
 }
 
@@ -172,6 +173,7 @@ const NO_LAUNCH: FakeLaunch = FakeLaunch {
     shared_bytes: 0,
     cluster: 0,
     cooperative: 0,
+    overlaps: 0,
     kernel: 0,
 };
 
@@ -436,19 +438,22 @@ pub struct LaunchAttribute {
 
 const ATTRIBUTE_COOPERATIVE: c_uint = 2;
 const ATTRIBUTE_CLUSTER_DIMENSION: c_uint = 4;
+const ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: c_uint = 6;
 
-/// The cluster size and the cooperative flag a config asks for.
-unsafe fn cluster_and_cooperative(config: &LaunchConfig) -> (u32, u32) {
+/// The cluster size, the cooperative flag and the overlap flag (programmatic stream
+/// serialization) a config asks for.
+unsafe fn launch_attributes(config: &LaunchConfig) -> (u32, u32, u32) {
     let attributes = if config.attributes.is_null() {
         &[][..]
     } else {
         unsafe { std::slice::from_raw_parts(config.attributes, config.attribute_count as usize) }
     };
-    let mut found = (1, 0);
+    let mut found = (1, 0, 0);
     for a in attributes {
         match a.id {
             ATTRIBUTE_CLUSTER_DIMENSION => found.0 = a.value[0],
             ATTRIBUTE_COOPERATIVE => found.1 = a.value[0],
+            ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION => found.2 = a.value[0],
             _ => {}
         }
     }
@@ -465,7 +470,7 @@ pub unsafe extern "C" fn cuOccupancyMaxActiveClusters(
     let Some(config) = (unsafe { config.as_ref() }) else {
         return INVALID_VALUE;
     };
-    let (cluster, _) = unsafe { cluster_and_cooperative(config) };
+    let (cluster, _, _) = unsafe { launch_attributes(config) };
     let per_sm = blocks_per_sm(config.block[0] as c_int, config.shared_bytes as usize);
     // Clusters sit within a GPC: H200's 132 SMs as 7 GPCs of at most 18 (an estimate).
     let per_gpc = (per_sm * 18) / cluster.max(1) as c_int;
@@ -706,7 +711,7 @@ pub unsafe extern "C" fn cuLaunchKernelEx(
     let Some(config) = (unsafe { config.as_ref() }) else {
         return INVALID_VALUE;
     };
-    let (cluster, cooperative) = unsafe { cluster_and_cooperative(config) };
+    let (cluster, cooperative, overlaps) = unsafe { launch_attributes(config) };
     let mut launches = LAUNCHES.lock().unwrap_or_else(|p| p.into_inner());
     launches.copy_within(..KEPT_LAUNCHES - 1, 1);
     launches[0] = FakeLaunch {
@@ -715,6 +720,7 @@ pub unsafe extern "C" fn cuLaunchKernelEx(
         shared_bytes: config.shared_bytes,
         cluster,
         cooperative,
+        overlaps,
         kernel: function as usize,
     };
     SUCCESS

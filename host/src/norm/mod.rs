@@ -301,6 +301,7 @@ impl<P: Copy> RowLaunch<P> {
             cluster,
             shared_bytes,
             cooperative: false,
+            overlaps_previous: false,
             params: self.params,
         })
     }

@@ -286,6 +286,8 @@ pub const fn dbias_shared(threads: usize) -> usize {
 /// block size; the block has [`dbias_shared`] bytes of dynamic shared memory.
 #[inline(always)]
 pub unsafe fn backward_dbias<T: Element, const VEC: bool, const ACT: u32>(p: &Params) {
+    // As the norms' backward: the column sum after this launch may start early.
+    arch::launch_dependents();
     let len = Access::<T, VEC>::LEN;
     let (d, rows) = (p.d as usize, p.rows as usize);
     let per_row = d / len;

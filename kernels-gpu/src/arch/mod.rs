@@ -17,9 +17,9 @@ pub use emu::{
     SharedF32, atomic_add_f32, bf16_to_f32, block_dim, block_idx, block_lock, block_unlock,
     cluster_count, cluster_idx, cluster_rank, cluster_size, dynamic_shared_words, exp2, exp2_ftz,
     f16_to_f32, f32_to_bf16, f32_to_f16, f32x2_to_bf16x2, f32x2_to_f16x2, fence_mbarrier_init, fma,
-    grid_barrier, grid_dim, load16, load16_kept, opaque, rcp_approx, rsqrt, shared_f32, shfl_idx,
-    shfl_xor, shfl_xor_within, store16, store16_streaming, sync_cluster, sync_threads, thread_idx,
-    wait_async_copies,
+    grid_barrier, grid_dim, launch_dependents, load16, load16_kept, opaque, rcp_approx, rsqrt,
+    shared_f32, shfl_idx, shfl_xor, shfl_xor_within, store16, store16_streaming, sync_cluster,
+    sync_threads, thread_idx, wait_async_copies, wait_for_previous_launch,
 };
 
 /// Lanes in a warp; every block size normkern launches is a multiple of it.

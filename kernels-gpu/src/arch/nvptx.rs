@@ -460,6 +460,33 @@ pub fn fence_mbarrier_init() {
     }
 }
 
+// Programmatic dependent launch (sm_90): a launch the host marks as overlapping the previous one
+// on its stream may start while that one runs its last blocks; it must wait for it before reading
+// what it wrote. Without the mark, or on sm_80 (no-ops there), launches run one after the other.
+
+/// Lets the next launch on the stream start its blocks once every block of this one has called
+/// this or exited (`griddepcontrol.launch_dependents`); it orders nothing about memory.
+#[inline(always)]
+pub fn launch_dependents() {
+    #[cfg(target_feature = "sm_90")]
+    unsafe {
+        asm!(
+            "griddepcontrol.launch_dependents;",
+            options(nostack, preserves_flags)
+        );
+    }
+}
+
+/// Waits until the launches this one overlaps have completed and their memory operations are
+/// visible (`griddepcontrol.wait`); returns at once in a launch that overlaps none.
+#[inline(always)]
+pub fn wait_for_previous_launch() {
+    #[cfg(target_feature = "sm_90")]
+    unsafe {
+        asm!("griddepcontrol.wait;", options(nostack, preserves_flags));
+    }
+}
+
 /// One 16-byte global load (`ld.global.v4.b32`).
 ///
 /// # Safety

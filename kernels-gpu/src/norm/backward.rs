@@ -35,6 +35,9 @@ pub unsafe fn backward<
 >(
     p: &BackwardParams,
 ) {
+    // The column sum after this launch may take the SMs its blocks leave (it waits for the
+    // partial rows itself): no idle gap between the two.
+    arch::launch_dependents();
     let team = Team::new(CLUSTER, LANES);
     let threads = if LANES != 0 {
         SEGMENT_THREADS

@@ -85,6 +85,7 @@ struct FakeLaunch {
     shared_bytes: u32,
     cluster: u32,
     cooperative: u32,
+    overlaps: u32,
     kernel: usize,
 }
 
@@ -651,6 +652,17 @@ fn broken(row: &Row) -> Vec<String> {
     if row.build < 90 && row.launches.iter().any(|(l, _)| l.cluster > 1) {
         out.push("a cluster launch in a build without clusters".into());
     }
+    // A column sum waits in the kernel for the backward before it (sm_90's `griddepcontrol`), so
+    // it may overlap it there; sm_80's kernels do not wait, and no other kernel does.
+    for (l, kernel) in &row.launches {
+        let overlaps = row.build >= 90 && kernel.starts_with("column_sum");
+        if (l.overlaps != 0) != overlaps {
+            out.push(format!(
+                "{kernel} overlapping the launch before it: {}",
+                l.overlaps != 0
+            ));
+        }
+    }
     out
 }
 
@@ -879,7 +891,11 @@ fn print_row(row: &Row) {
             } else {
                 ""
             };
-            format!("{kernel} ({}×{}{cluster}{cooperative})", l.grid, l.block)
+            let overlaps = if l.overlaps != 0 { ", overlapping" } else { "" };
+            format!(
+                "{kernel} ({}×{}{cluster}{cooperative}{overlaps})",
+                l.grid, l.block
+            )
         })
         .collect();
     let events = per_call(row, "cuStreamWaitEvent") + per_call(row, "cuEventRecord");
