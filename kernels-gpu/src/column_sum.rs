@@ -39,10 +39,47 @@ const WIDE_ROW_ELEMS: usize = 32768;
 const WIDE_ROW_TEAMS: usize = 15;
 /// Fewest rows per group of rows wider than `WIDE_ROW_ELEMS`.
 pub const MIN_WIDE_ROWS_PER_GROUP: usize = 4;
+/// Rows of `LONG_GROUP_MIN_D` to `LONG_GROUP_MAX_D` elements take longer groups (up to
+/// `LONG_GROUP_MAX_ROWS` rows, 2 or 4 times the default) where as many busy teams remain: each
+/// group writes and reads back an fp32 partial row per gradient, 2/3 of a 16-bit row of x, dy and
+/// dx for every 16-bit row of the group — groups of 16 rows add 8 % to RMSNorm's backward traffic
+/// and 17 % to LayerNorm's (dγ and dβ). Those row kernels run about one team per SM (132 on
+/// Hopper, fewer with clusters), so the layout keeps at least `max(2²⁰ / d, 128)` groups: 256 at
+/// 4096, where two blocks share an SM.
+const LONG_GROUP_MIN_D: usize = 4096;
+const LONG_GROUP_MAX_D: usize = 16384;
+const LONG_GROUP_MAX_ROWS: usize = 64;
+const LONG_GROUP_MIN_GROUPS: usize = 128;
 
 /// `(rows_per_group, groups)` for `rows` rows of `d` elements: a function of the shape alone,
 /// which is what makes the gradients the same bits on every grid and every GPU. Every group has
 /// `rows_per_group` rows but the last, which has the rest.
+///
+/// Rows of 4096 to 16384 elements in batches that are not small take groups of up to 64 rows
+/// (see `LONG_GROUP_MAX_ROWS`); the rest of this describes [`base_rows_per_group`], which
+/// [`crate::activation::kernels::dbias_group_layout`] builds on.
+pub fn group_layout(rows: usize, d: usize) -> (usize, usize) {
+    let base = base_rows_per_group(rows, d);
+    let per_group = if (LONG_GROUP_MIN_D..=LONG_GROUP_MAX_D).contains(&d)
+        && rows >= SMALL_BATCH_GROUPS * MIN_ROWS_PER_GROUP
+    {
+        let least_groups = ((1 << 20) / d).max(LONG_GROUP_MIN_GROUPS);
+        // Twice, then four times the base where that keeps enough groups: dbias's groups, four
+        // base groups each, stay whole numbers of these (one batch split serves both).
+        let longer = |p: usize| p.saturating_mul(2);
+        let fits = |p: usize| p <= LONG_GROUP_MAX_ROWS && rows.div_ceil(p) >= least_groups;
+        match (longer(base), longer(longer(base))) {
+            (_, four) if fits(four) => four,
+            (two, _) if fits(two) => two,
+            _ => base,
+        }
+    } else {
+        base
+    };
+    (per_group, rows.div_ceil(per_group))
+}
+
+/// Rows per group before [`group_layout`]'s longer groups: a function of the shape alone.
 ///
 /// Small batches of rows up to `WIDE_ROW_ELEMS` (fewer than [`SMALL_BATCH_GROUPS`] ·
 /// [`MIN_ROWS_PER_GROUP`] rows) take smaller
@@ -61,7 +98,7 @@ pub const MIN_WIDE_ROWS_PER_GROUP: usize = 4;
 /// The search is bounded: a group size's cost is the busiest team's rounds times its rows, and
 /// for each number of rounds (at most `MAX_GROUPS / WIDE_ROW_TEAMS + 1`, as there are at most
 /// `MAX_GROUPS` groups) only the smallest group size that needs no more rounds can be cheapest.
-pub fn group_layout(rows: usize, d: usize) -> (usize, usize) {
+pub fn base_rows_per_group(rows: usize, d: usize) -> usize {
     let most_groups = if d <= SEGMENT_ROW_ELEMS {
         SEGMENT_ROW_GROUPS
     } else if d <= NARROW_ROW_ELEMS {
@@ -71,7 +108,7 @@ pub fn group_layout(rows: usize, d: usize) -> (usize, usize) {
     };
     let fewest_groups = rows.div_ceil(most_groups);
     let default = fewest_groups.max(MIN_ROWS_PER_GROUP);
-    let per_group = if d <= WIDE_ROW_ELEMS && rows < SMALL_BATCH_GROUPS * MIN_ROWS_PER_GROUP {
+    if d <= WIDE_ROW_ELEMS && rows < SMALL_BATCH_GROUPS * MIN_ROWS_PER_GROUP {
         let by_size = rows.saturating_mul(d).div_ceil(SMALL_BATCH_ELEMS);
         (rows.div_ceil(SMALL_BATCH_GROUPS).max(by_size)).clamp(1, MIN_ROWS_PER_GROUP)
     } else if d > WIDE_ROW_ELEMS {
@@ -94,8 +131,7 @@ pub fn group_layout(rows: usize, d: usize) -> (usize, usize) {
         best.1
     } else {
         default
-    };
-    (per_group, rows.div_ceil(per_group))
+    }
 }
 
 /// Parameters of the column sum: `out[j] = Σ_g partials[g·d + j]`, g in a fixed order.

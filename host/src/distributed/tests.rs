@@ -356,9 +356,9 @@ fn splits_keep_to_group_boundaries() {
         BatchSplit::with_rows(&[8010, 8374], 4096),
         Err(Error::Argument { .. })
     ));
-    // A boundary of dγ's groups of 32 rows but not of dbias's of 128.
+    // A boundary of dγ's groups of 64 rows but not of dbias's of 128.
     assert!(matches!(
-        BatchSplit::with_rows(&[8160, 8224], 4096),
+        BatchSplit::with_rows(&[8128, 8256], 4096),
         Err(Error::Argument { .. })
     ));
     assert!(matches!(
@@ -382,14 +382,14 @@ fn workspaces_hold_the_batchs_partials_in_exact_mode_and_the_ranks_own_in_fast_m
     let split = BatchSplit::even(16384, 4096, 2).unwrap();
     assert_eq!(
         split.rms_norm_workspace_len(1, Mode::Exact),
-        Ok(SYNC + 512 * 4096)
+        Ok(SYNC + 256 * 4096)
     );
     assert_eq!(
         split.layer_norm_workspace_len(0, Mode::Exact),
-        Ok(SYNC + 2 * 512 * 4096)
+        Ok(SYNC + 2 * 256 * 4096)
     );
     // Exact: dbias's 128 groups of 128 rows. Fast: 8192 rows of 4096, dbias in 128 groups of
-    // 64 rows (dγ's: 512 of 16), and one row of fp32 sums per gradient.
+    // 64 rows (dγ's: 256 of 32), and one row of fp32 sums per gradient.
     assert_eq!(
         split.activation_workspace_len(1, Mode::Exact),
         Ok(SYNC + 128 * 4096)
@@ -400,6 +400,6 @@ fn workspaces_hold_the_batchs_partials_in_exact_mode_and_the_ranks_own_in_fast_m
     );
     assert_eq!(
         split.layer_norm_workspace_len(1, Mode::Fast),
-        Ok(SYNC + 2 * 513 * 4096)
+        Ok(SYNC + 2 * 257 * 4096)
     );
 }

@@ -500,7 +500,10 @@ pub(crate) fn plan(call: &Call, device: &dyn Device) -> Result<Plan> {
 pub(crate) mod tests {
     use super::*;
     use crate::plan::tests::FakeH200;
-    use normkern_gpu::column_sum::{COLUMN_SUM_THREADS, GROUP_SUMS_SHARED_WORDS, group_layout};
+    use normkern_gpu::activation::kernels::dbias_group_layout;
+    use normkern_gpu::column_sum::{
+        COLUMN_SUM_THREADS, GROUP_SUMS_SHARED_WORDS, base_rows_per_group, group_layout,
+    };
     use normkern_gpu::kernel::Kernel;
     use normkern_gpu::reduce::ROW_REDUCER_SHARED_WORDS;
 
@@ -662,9 +665,9 @@ pub(crate) mod tests {
         assert_eq!(rows.kernel.name, "rms_norm_bwd_bf16_v2");
         assert_eq!((rows.block, rows.cluster), (256, 1));
         assert_eq!(rows.shared_bytes, ROW_REDUCER_SHARED_WORDS * 4);
-        // 512 groups of 32 rows; two blocks of 124 registers per SM: 264 resident, so two rounds
-        // of 256 blocks.
-        assert_eq!((rows.params.groups, rows.params.rows_per_group), (512, 32));
+        // 256 groups of 64 rows (rows of 4096 take longer groups while 256 remain); two blocks
+        // of 124 registers per SM: 264 resident, so one round of 256 blocks.
+        assert_eq!((rows.params.groups, rows.params.rows_per_group), (256, 64));
         assert_eq!(rows.grid, 256);
         // dγ's column sum: 128 slabs of 32 columns, one column per thread at this width.
         assert_eq!(
@@ -967,7 +970,7 @@ pub(crate) mod tests {
     }
 
     /// The bounded search picks what a scan over every group size picks (the first cheapest),
-    /// and sizes near the limits take no time.
+    /// and sizes near the limits take no time (the base layout, before the longer groups).
     #[test]
     fn group_layouts_match_the_exhaustive_search() {
         fn scan(rows: usize, d: usize) -> (usize, usize) {
@@ -997,7 +1000,8 @@ pub(crate) mod tests {
             .chain([1 << 20, 1 << 24]);
         for rows in rows {
             for d in [1, 128, 256, 257, 512, 513, 4096, 32768, 32769, 65536] {
-                assert_eq!(group_layout(rows, d), scan(rows, d), "{rows}×{d}");
+                let base = base_rows_per_group(rows, d);
+                assert_eq!((base, rows.div_ceil(base)), scan(rows, d), "{rows}×{d}");
             }
         }
         let start = std::time::Instant::now();
@@ -1015,7 +1019,18 @@ pub(crate) mod tests {
 
     #[test]
     fn group_layouts_depend_on_the_shape_only() {
-        assert_eq!(group_layout(16384, 4096), (32, 512));
+        // Rows of 4096–16384: groups of up to 64 rows while max(2²⁰ / d, 128) groups remain
+        // (twice or four times the base's 16 or 32); dbias keeps four base groups per group.
+        assert_eq!(group_layout(16384, 4096), (64, 256));
+        assert_eq!(group_layout(8192, 8192), (64, 128));
+        assert_eq!(group_layout(4096, 16384), (32, 128));
+        assert_eq!(group_layout(65536, 4096), (128, 512));
+        assert_eq!(group_layout(32768, 8192), (64, 512));
+        assert_eq!(group_layout(5000, 8192), (32, 157));
+        assert_eq!(group_layout(16384, 2048), (32, 512));
+        assert_eq!(group_layout(8192, 32768), (16, 512));
+        assert_eq!(dbias_group_layout(16384, 4096), (128, 128));
+        assert_eq!(dbias_group_layout(8192, 8192), (64, 128));
         assert_eq!(group_layout(1024, 65536), (69, 15));
         assert_eq!(group_layout(64, 1 << 20), (5, 13));
         assert_eq!(group_layout(3, 1 << 20), (4, 1));
@@ -1032,7 +1047,7 @@ pub(crate) mod tests {
         assert_eq!(group_layout(65536, 1024), (128, 512));
         assert_eq!(
             workspace_len(Norm::Layer, 16384, 4096),
-            Ok(4 + 2 * 512 * 4096)
+            Ok(4 + 2 * 256 * 4096)
         );
     }
 }

@@ -4,7 +4,8 @@
 use super::functions::{apply_stored, grad_stored};
 use crate::arch;
 use crate::column_sum::{
-    GroupSums, MIN_ROWS_PER_GROUP, finish_group_sums, group_layout, store_group_partials,
+    GroupSums, MIN_ROWS_PER_GROUP, base_rows_per_group, finish_group_sums, group_layout,
+    store_group_partials,
 };
 use crate::element::{Access, Element, Pack, row_addr};
 
@@ -223,14 +224,15 @@ pub const DBIAS_WIDE_SLICES: usize = 4;
 /// `(rows_per_group, groups)` of dbias's partial rows for `rows × d`: like [`group_layout`], a
 /// function of the shape alone, so dbias is the same bits on every grid and GPU. Where wide work
 /// items serve ([`DBIAS_WIDE_ROW_ELEMS`]) its groups are [`DBIAS_WIDE_SLICES`] of the norms'
-/// groups, elsewhere the norms' own: every boundary of this layout is one of the norms' too.
+/// base groups ([`base_rows_per_group`]; its wide items already cut the partial rows that the
+/// norms' longer groups cut), elsewhere the norms' own: every boundary of this layout is one of
+/// the norms' too.
 pub fn dbias_group_layout(rows: usize, d: usize) -> (usize, usize) {
-    let (per_group, groups) = group_layout(rows, d);
-    let wide = per_group.saturating_mul(DBIAS_WIDE_SLICES);
+    let wide = base_rows_per_group(rows, d).saturating_mul(DBIAS_WIDE_SLICES);
     if dbias_wide_items(d, wide) {
         (wide, rows.div_ceil(wide))
     } else {
-        (per_group, groups)
+        group_layout(rows, d)
     }
 }
 
