@@ -313,6 +313,10 @@ impl Device for Context {
         if self.ptx_arch >= 90 { 8 } else { 1 }
     }
 
+    fn overlaps_launches(&self) -> bool {
+        self.ptx_arch >= OVERLAP_MIN_ARCH
+    }
+
     fn shared_opt_in(&self) -> usize {
         self.shared_opt_in
     }
@@ -457,13 +461,12 @@ impl<'s> Executor for Gpu<'s> {
             .bind_to_thread()
             .map_err(Error::driver("cuCtxSetCurrent"))?;
         // Each attribute only where it applies: clusters of more than one block, cooperative
-        // launches, and overlapping launches where the kernel waits for the previous one itself
-        // (sm_90 builds only: sm_80's kernels do not wait, so they must not overlap).
+        // launches, and overlapping ones (planned only where the kernels wait themselves,
+        // `Device::overlaps_launches`; checked again here, as sm_80's kernels must not overlap).
         let wanted = [
             (launch.cluster > 1).then(|| cluster_attribute(launch.cluster)),
             launch.cooperative.then(cooperative_attribute),
-            (launch.overlaps_previous && self.ctx.ptx_arch >= OVERLAP_MIN_ARCH)
-                .then(overlap_attribute),
+            (launch.overlaps_previous && self.ctx.overlaps_launches()).then(overlap_attribute),
         ];
         let mut attributes = [cluster_attribute(1); 3];
         let used = (attributes.iter_mut().zip(wanted.into_iter().flatten()))

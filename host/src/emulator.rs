@@ -108,6 +108,12 @@ impl Device for Emulator {
         self.max_cluster
     }
 
+    /// As the sm_90 build it stands in for (its launches run one after the other anyway); with
+    /// clusters off, as sm_80's.
+    fn overlaps_launches(&self) -> bool {
+        self.max_cluster > 1
+    }
+
     fn shared_opt_in(&self) -> usize {
         EMULATED_SHARED_OPT_IN
     }

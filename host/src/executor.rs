@@ -121,6 +121,11 @@ pub(crate) mod private {
         fn sm_count(&self) -> usize;
         /// The most blocks a cluster may have: 8 on sm_90 and newer, 1 (no clusters) before.
         fn max_cluster(&self) -> usize;
+        /// Whether a launch may overlap the one before it ([`Launch::overlaps_previous`]): the
+        /// kernels of sm_90 builds wait for it themselves; sm_80's do not.
+        fn overlaps_launches(&self) -> bool {
+            false
+        }
         /// The dynamic shared memory (bytes) one block may opt into.
         fn shared_opt_in(&self) -> usize;
         /// An upper bound on persistent grids set by the user (tests use it to prove grid

@@ -308,7 +308,7 @@ pub(crate) fn column_sum(
         // It follows the launch that wrote the partial rows and waits for it in the kernel
         // (`normkern_gpu::arch::wait_for_previous_launch`): its blocks take the SMs that the
         // backward's last blocks leave instead of waiting for a new launch to start.
-        overlaps_previous: true,
+        overlaps_previous: device.overlaps_launches(),
         params: ColumnSumParams {
             partials,
             out,
@@ -454,18 +454,24 @@ impl GradientsOf {
     }
 }
 
-/// Whether [`ParamGradients::Auto`] takes the single launch for `rows × d` (a function of the op
-/// and the shape alone; either way the bits are two-pass's). Every call of up to 2²² elements
-/// does: there launches are much of the time. Larger norm backwards do where an H200 measured the
-/// single launch no slower than two-pass at 2²⁶ elements (`bench-results/h200.md`, fourteenth
-/// session): rows of up to 256 elements (segment teams, at most 1024 groups) and of 513 to 8192.
-/// Rows of 257–512 take up to 8192 groups, which the row kernel's resident blocks sum more slowly
-/// than the (chained) column-sum kernel (RMSNorm 70 against 82 % of copy at 262144×512,
-/// twenty-seventh and twenty-eighth sessions), and rows wider than 8192
-/// lost 2.6–4 points; the activations' dbias lost 1.5 at 16384×4096 and keeps two launches there.
-fn auto_single_launch(of: GradientsOf, rows: usize, d: usize) -> bool {
+/// Whether [`ParamGradients::Auto`] takes the single launch for `rows × d` (a function of the op,
+/// the shape and whether the column sum can overlap the row kernel; either way the bits are
+/// two-pass's). Every call of up to 2²² elements does: there launches are much of the time.
+///
+/// Where the column sum overlaps the row kernel (`overlapped`, sm_90 builds), two-pass measured
+/// faster than the single launch at every larger shape where the single launch had been taken
+/// (0.4–1.8 points of copy at 2²⁶ elements, `bench-results/h200.md`, fifty-first session), so
+/// larger calls take two launches. Without the overlap, larger norm backwards take the single
+/// launch where an H200 measured it no slower than two-pass at 2²⁶ elements (fourteenth session):
+/// rows of up to 256 elements (segment teams, at most 1024 groups) and of 513 to 8192. Rows of
+/// 257–512 take up to 8192 groups, which the row kernel's resident blocks sum more slowly than
+/// the (chained) column-sum kernel (RMSNorm 70 against 82 % of copy at 262144×512,
+/// twenty-seventh and twenty-eighth sessions), and rows wider than 8192 lost 2.6–4 points; the
+/// activations' dbias lost 1.5 at 16384×4096 and keeps two launches there.
+fn auto_single_launch(of: GradientsOf, rows: usize, d: usize, overlapped: bool) -> bool {
     rows.saturating_mul(d) <= AUTO_SINGLE_LAUNCH_MAX_ELEMS
-        || (of == GradientsOf::Norm
+        || (!overlapped
+            && of == GradientsOf::Norm
             && (d <= column_sum::SEGMENT_ROW_ELEMS
                 || (column_sum::NARROW_ROW_ELEMS < d && d <= AUTO_SINGLE_LAUNCH_MAX_D)))
 }
@@ -557,7 +563,9 @@ pub(crate) fn gradient_plan(
         column_sum(device, dtype, (partials[0], out[0]), second, groups, d)
     };
     let strategy = match partials {
-        Partials::Own(ParamGradients::Auto) if !auto_single_launch(of, rows, d) => {
+        Partials::Own(ParamGradients::Auto)
+            if !auto_single_launch(of, rows, d, device.overlaps_launches()) =>
+        {
             ParamGradients::TwoPass
         }
         Partials::Own(strategy) => strategy,
@@ -727,6 +735,8 @@ pub(crate) mod tests {
     pub(crate) struct FakeH200 {
         pub registers: fn(&str) -> usize,
         pub grid_limit: Option<usize>,
+        /// Whether launches may overlap (an sm_90 build); false plans as an sm_80 build would.
+        pub overlaps: bool,
     }
 
     impl FakeH200 {
@@ -744,6 +754,9 @@ pub(crate) mod tests {
         }
         fn max_cluster(&self) -> usize {
             8
+        }
+        fn overlaps_launches(&self) -> bool {
+            self.overlaps
         }
         fn shared_opt_in(&self) -> usize {
             227 * 1024

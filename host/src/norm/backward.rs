@@ -538,6 +538,7 @@ pub(crate) mod tests {
     pub(crate) const H200: FakeH200 = FakeH200 {
         registers,
         grid_limit: None,
+        overlaps: true,
     };
 
     /// A backward of `norm` over dense, 16-byte aligned bf16 rows.
@@ -725,27 +726,39 @@ pub(crate) mod tests {
         );
     }
 
-    /// `Auto` takes the single launch for large norm backwards where it was measured no slower,
-    /// by the shape alone.
+    /// `Auto` takes the single launch for calls of up to 2²² elements, and, where the column sum
+    /// cannot overlap the row kernel (sm_80 builds), for large norm backwards where it was
+    /// measured no slower, by the shape alone.
     #[test]
     fn auto_picks_the_single_launch_by_shape() {
-        for (rows, d, single) in [
-            (64, 4096, true),
-            (1 << 20, 128, true),
-            (1 << 18, 256, true),
-            (1 << 18, 512, false),
-            (65536, 1024, true),
-            (16384, 4096, true),
-            (8192, 8192, true),
-            (4096, 16384, false),
-            (1024, 65536, false),
+        let sm80_build = FakeH200 {
+            overlaps: false,
+            ..H200
+        };
+        for (rows, d, single_sm90, single_sm80) in [
+            (64, 4096, true, true),
+            (1024, 4096, true, true),
+            (1 << 20, 128, false, true),
+            (1 << 18, 256, false, true),
+            (1 << 18, 512, false, false),
+            (65536, 1024, false, true),
+            (16384, 4096, false, true),
+            (8192, 8192, false, true),
+            (4096, 16384, false, false),
+            (1024, 65536, false, false),
         ] {
-            let mut c = call(Norm::Rms, rows, d);
-            c.partials = Partials::Own(ParamGradients::Auto);
-            let plan = plan(&c, &H200).unwrap();
-            let cooperative = plan.rows.unwrap().cooperative;
-            assert_eq!(cooperative, single, "{rows}×{d}");
-            assert_eq!(plan.gradients.sums.is_none(), single, "{rows}×{d}");
+            for (device, single) in [(&H200, single_sm90), (&sm80_build, single_sm80)] {
+                let mut c = call(Norm::Rms, rows, d);
+                c.partials = Partials::Own(ParamGradients::Auto);
+                let plan = plan(&c, device).unwrap();
+                let cooperative = plan.rows.unwrap().cooperative;
+                assert_eq!(cooperative, single, "{rows}×{d}");
+                let sums = plan.gradients.sums.as_ref();
+                assert_eq!(sums.is_none(), single, "{rows}×{d}");
+                // The column sum overlaps the row kernel where the build's kernels wait for it.
+                let overlaps = sums.is_some_and(|s| s.overlaps_previous);
+                assert_eq!(overlaps, !single && device.overlaps, "{rows}×{d}");
+            }
         }
     }
 
@@ -917,8 +930,8 @@ pub(crate) mod tests {
     #[test]
     fn grids_follow_the_grid_limit() {
         let limited = FakeH200 {
-            registers,
             grid_limit: Some(3),
+            ..H200
         };
         let plan = plan(&call(Norm::Rms, 16384, 4096), &limited).unwrap();
         assert_eq!(plan.rows.unwrap().grid, 3);
