@@ -460,7 +460,7 @@ impl GradientsOf {
 ///
 /// Where the column sum overlaps the row kernel (`overlapped`, sm_90 builds), two-pass measured
 /// faster than the single launch at every larger shape where the single launch had been taken
-/// (0.4–1.8 points of copy at 2²⁶ elements, `bench-results/h200.md`, fifty-first session), so
+/// (0.3–1.8 points of copy at 2²⁶ elements, `bench-results/h200.md`, fifty-first session), so
 /// larger calls take two launches. Without the overlap, larger norm backwards take the single
 /// launch where an H200 measured it no slower than two-pass at 2²⁶ elements (fourteenth session):
 /// rows of up to 256 elements (segment teams, at most 1024 groups) and of 513 to 8192. Rows of
