@@ -459,9 +459,9 @@ impl GradientsOf {
 /// two-pass's). Every call of up to 2²² elements does: there launches are much of the time.
 ///
 /// Where the column sum overlaps the row kernel (`overlapped`, sm_90 builds), two-pass measured
-/// faster than the single launch at every larger shape where the single launch had been taken
-/// (0.3–1.8 points of copy at 2²⁶ elements, `bench-results/h200.md`, fifty-first session), so
-/// larger calls take two launches. Without the overlap, larger norm backwards take the single
+/// faster than the single launch at the larger shapes where the single launch had been taken
+/// (23 of 24 cells at 2²⁶ elements, `bench-results/h200.md`, fifty-first session; sizes between
+/// 2²² and 2²⁶ not measured), so larger calls take two launches. Without the overlap, larger norm backwards take the single
 /// launch where an H200 measured it no slower than two-pass at 2²⁶ elements (fourteenth session):
 /// rows of up to 256 elements (segment teams, at most 1024 groups) and of 513 to 8192. Rows of
 /// 257–512 take up to 8192 groups, which the row kernel's resident blocks sum more slowly than
