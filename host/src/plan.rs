@@ -461,13 +461,13 @@ impl GradientsOf {
 /// Where the column sum overlaps the row kernel (`overlapped`, sm_90 builds), two-pass measured
 /// faster than the single launch at the larger shapes where the single launch had been taken
 /// (23 of 24 cells at 2²⁶ elements, `bench-results/h200.md`, fifty-first session; sizes between
-/// 2²² and 2²⁶ not measured), so larger calls take two launches. Without the overlap, larger norm backwards take the single
-/// launch where an H200 measured it no slower than two-pass at 2²⁶ elements (fourteenth session):
-/// rows of up to 256 elements (segment teams, at most 1024 groups) and of 513 to 8192. Rows of
-/// 257–512 take up to 8192 groups, which the row kernel's resident blocks sum more slowly than
-/// the (chained) column-sum kernel (RMSNorm 70 against 82 % of copy at 262144×512,
-/// twenty-seventh and twenty-eighth sessions), and rows wider than 8192 lost 2.6–4 points; the
-/// activations' dbias lost 1.5 at 16384×4096 and keeps two launches there.
+/// 2²² and 2²⁶ not measured), so larger calls take two launches. Without the overlap, larger
+/// norm backwards take the single launch where an H200 measured it no slower than two-pass at
+/// 2²⁶ elements (fourteenth session): rows of up to 256 elements (segment teams, at most 1024
+/// groups) and of 513 to 8192. Rows of 257–512 take up to 8192 groups, which the row kernel's
+/// resident blocks sum more slowly than the (chained) column-sum kernel (RMSNorm 70 against 82 %
+/// of copy at 262144×512, twenty-seventh and twenty-eighth sessions), and rows wider than 8192
+/// lost 2.6–4 points; the activations' dbias lost 1.5 at 16384×4096 and keeps two launches there.
 fn auto_single_launch(of: GradientsOf, rows: usize, d: usize, overlapped: bool) -> bool {
     rows.saturating_mul(d) <= AUTO_SINGLE_LAUNCH_MAX_ELEMS
         || (!overlapped
