@@ -339,9 +339,10 @@ pub(crate) fn column_sum(
 pub enum ParamGradients {
     /// normkern's choice for the shape among the deterministic strategies (so the choice never
     /// changes a result): [`Self::SingleLaunch`] for calls of up to 2²² elements (`rows × d`),
-    /// where launches are most of the time, and for norm backwards of any size over rows of up
-    /// to 256 or of 513 to 8192 elements, where it was measured no slower; [`Self::TwoPass`]
-    /// for the others.
+    /// where launches are most of the time; [`Self::TwoPass`] for larger ones, whose column sum
+    /// overlaps the row kernel on sm_90 builds. sm_80 builds, where it cannot, also take the
+    /// single launch for norm backwards of any size over rows of up to 256 or of 513 to 8192
+    /// elements, where it was measured no slower.
     #[default]
     Auto,
     /// Each group of rows writes an fp32 partial row into the workspace; a second kernel sums the

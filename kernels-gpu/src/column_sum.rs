@@ -39,11 +39,11 @@ const WIDE_ROW_ELEMS: usize = 32768;
 const WIDE_ROW_TEAMS: usize = 15;
 /// Fewest rows per group of rows wider than `WIDE_ROW_ELEMS`.
 pub const MIN_WIDE_ROWS_PER_GROUP: usize = 4;
-/// Rows of `LONG_GROUP_MIN_D` to `LONG_GROUP_MAX_D` elements take longer groups (up to
-/// `LONG_GROUP_MAX_ROWS` rows, 2 or 4 times the default) where as many busy teams remain: each
-/// group writes and reads back an fp32 partial row per gradient, 2/3 of a 16-bit row of x, dy and
-/// dx for every 16-bit row of the group — groups of 16 rows add 8 % to RMSNorm's backward traffic
-/// and 17 % to LayerNorm's (dγ and dβ). Those row kernels run about one team per SM (132 on
+/// Rows of `LONG_GROUP_MIN_D` to `LONG_GROUP_MAX_D` elements take longer groups (2 or 4 times
+/// the base, lengthened to at most `LONG_GROUP_MAX_ROWS` rows) where as many busy teams remain:
+/// each group writes and reads back an fp32 partial row per gradient, 8·d bytes against the 6·d
+/// of a 16-bit row of x, dy and dx — groups of 16 rows add 8 % to RMSNorm's backward traffic and
+/// 17 % to LayerNorm's (dγ and dβ). Those row kernels run about one team per SM (132 on
 /// Hopper, fewer with clusters), so the layout keeps at least `max(2²⁰ / d, 128)` groups: 256 at
 /// 4096, where two blocks share an SM.
 const LONG_GROUP_MIN_D: usize = 4096;
@@ -55,8 +55,9 @@ const LONG_GROUP_MIN_GROUPS: usize = 128;
 /// which is what makes the gradients the same bits on every grid and every GPU. Every group has
 /// `rows_per_group` rows but the last, which has the rest.
 ///
-/// Rows of 4096 to 16384 elements in batches that are not small take groups of up to 64 rows
-/// (see `LONG_GROUP_MAX_ROWS`); the rest of this describes [`base_rows_per_group`], which
+/// Rows of 4096 to 16384 elements in batches that are not small take groups two or four times
+/// [`base_rows_per_group`]'s, lengthened to at most 64 rows and only while enough groups remain to
+/// keep the row kernel's teams busy; the rest of this describes [`base_rows_per_group`], which
 /// [`crate::activation::kernels::dbias_group_layout`] builds on.
 pub fn group_layout(rows: usize, d: usize) -> (usize, usize) {
     let base = base_rows_per_group(rows, d);
