@@ -65,15 +65,14 @@ pub fn group_layout(rows: usize, d: usize) -> (usize, usize) {
         && rows >= SMALL_BATCH_GROUPS * MIN_ROWS_PER_GROUP
     {
         let least_groups = ((1 << 20) / d).max(LONG_GROUP_MIN_GROUPS);
-        // Twice, then four times the base where that keeps enough groups: dbias's groups, four
+        // Four, else two times the base where that keeps enough groups: dbias's groups, four
         // base groups each, stay whole numbers of these (one batch split serves both).
-        let longer = |p: usize| p.saturating_mul(2);
         let fits = |p: usize| p <= LONG_GROUP_MAX_ROWS && rows.div_ceil(p) >= least_groups;
-        match (longer(base), longer(longer(base))) {
-            (_, four) if fits(four) => four,
-            (two, _) if fits(two) => two,
-            _ => base,
-        }
+        [4, 2]
+            .map(|times| base.saturating_mul(times))
+            .into_iter()
+            .find(|&p| fits(p))
+            .unwrap_or(base)
     } else {
         base
     };
