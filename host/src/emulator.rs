@@ -11,8 +11,8 @@ use crate::executor::private::Sealed;
 use crate::executor::{Device, Executor, Launch};
 use crate::tensor::Dtype;
 
-/// Blocks the emulator pretends are resident at once: a small device, so persistent grids walk
-/// several rows or groups per block as they do on a GPU.
+/// Blocks the emulator pretends are resident at once by default: a small device, so persistent
+/// grids walk several rows or groups per block as they do on a GPU.
 const EMULATED_RESIDENT_BLOCKS: usize = 4;
 
 /// Clusters the emulator offers by default: up to 2 blocks, like a small sm_90 device. Wider
@@ -42,6 +42,7 @@ const EMULATED_SHARED_OPT_IN: usize = 227 * 1024;
 /// ```
 #[derive(Clone, Copy, Debug)]
 pub struct Emulator {
+    resident_blocks: usize,
     grid_limit: Option<usize>,
     max_cluster: usize,
     block_limit: usize,
@@ -58,6 +59,7 @@ impl Emulator {
     /// to 1024 threads.
     pub fn new() -> Self {
         Emulator {
+            resident_blocks: EMULATED_RESIDENT_BLOCKS,
             grid_limit: None,
             max_cluster: EMULATED_MAX_CLUSTER,
             block_limit: 1024,
@@ -89,6 +91,17 @@ impl Emulator {
         Ok(self)
     }
 
+    /// Pretends `blocks` blocks are resident at once (the default is 4): a larger device, whose
+    /// persistent grids are wider and whose small-batch plans (a resident block for every dγ
+    /// group) reach batches of more rows, as on a GPU.
+    pub fn with_resident_blocks(mut self, blocks: usize) -> Result<Self> {
+        if blocks == 0 {
+            return Err(Error::ZeroGrid);
+        }
+        self.resident_blocks = blocks;
+        Ok(self)
+    }
+
     /// Caps persistent grids at `blocks` blocks, like [`crate::Context::with_grid_limit`].
     pub fn with_grid_limit(mut self, blocks: usize) -> Result<Self> {
         if blocks == 0 {
@@ -101,7 +114,7 @@ impl Emulator {
 
 impl Device for Emulator {
     fn sm_count(&self) -> usize {
-        EMULATED_RESIDENT_BLOCKS
+        self.resident_blocks
     }
 
     fn max_cluster(&self) -> usize {
@@ -127,11 +140,11 @@ impl Device for Emulator {
     }
 
     fn resident_blocks(&self, _kernel: Entry, _block: usize, _shared: usize) -> Result<usize> {
-        Ok(EMULATED_RESIDENT_BLOCKS)
+        Ok(self.resident_blocks)
     }
 
     fn resident_clusters(&self, _: Entry, _: usize, cluster: usize, _: usize) -> Result<usize> {
-        Ok(EMULATED_RESIDENT_BLOCKS.checked_div(cluster).unwrap_or(0))
+        Ok(self.resident_blocks.checked_div(cluster).unwrap_or(0))
     }
 }
 

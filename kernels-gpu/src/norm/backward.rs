@@ -4,8 +4,8 @@
 use super::Normalization;
 use super::params::BackwardParams;
 use super::policy::{
-    STREAM, block_stages_rows, gamma_end, instance_backward_words, plain_adds_dresidual, staged,
-    staged_stages,
+    STREAM, block_stages_rows, gamma_end, instance_backward_words, pairs_rows,
+    plain_adds_dresidual, staged, staged_stages,
 };
 use super::rows::{Plain, ResidualBackward, RowSource, group_rows, param, row_stats_stream};
 use super::segments::{SEGMENT_THREADS, backward_segments, combine_words};
@@ -75,9 +75,11 @@ pub unsafe fn backward<
             {
                 // The ring's depth is a constant of the instance (`i % STAGES` a mask at 4).
                 if staged_stages(N::CENTERED, T::BYTES, VPT, CLUSTER) == 3 {
-                    backward_staged::<T, VEC, VPT, N, 3>(p, plain, team)
+                    backward_staged::<T, VEC, VPT, N, 3, false>(p, plain, team)
+                } else if pairs_rows(N::CENTERED, T::BYTES, VPT, RING) {
+                    backward_staged::<T, VEC, VPT, N, 4, true>(p, plain, team)
                 } else {
-                    backward_staged::<T, VEC, VPT, N, 4>(p, plain, team)
+                    backward_staged::<T, VEC, VPT, N, 4, false>(p, plain, team)
                 }
             }
             (false, false) => backward_regs::<T, VEC, VPT, N, _>(p, plain, team),
@@ -140,6 +142,40 @@ impl RowSums {
         } else {
             (0.0, unsafe { reducer.finish::<1>(sums) }[0] * inv_d)
         }
+    }
+}
+
+/// RMSNorm's pass-1 sums of two rows reduced at once: one exchange and one block barrier for both
+/// where each row alone takes one. Each row's total has the bits of its own reduction (the
+/// butterfly and the warps' combination add each value apart, in the same order).
+pub(super) struct RowPair;
+
+impl RowPair {
+    /// Starts the reduction of rows a's and b's `Σ dŷ·x̂` (RMSNorm: `rstd·Σ dŷ·x`).
+    ///
+    /// # Safety
+    /// As for [`RowReducer::start`].
+    #[inline(always)]
+    pub(super) unsafe fn start(
+        reducer: &mut RowReducer,
+        (a, b): (RowSums, RowSums),
+        (rstd_a, rstd_b): (f32, f32),
+    ) -> PendingSums {
+        unsafe { reducer.start([a.dot * rstd_a, b.dot * rstd_b]) }
+    }
+
+    /// Each row's `(mean(dŷ), mean(dŷ·x̂))` (RMSNorm: the first 0), as [`RowSums::means`] gives it.
+    ///
+    /// # Safety
+    /// As for [`RowReducer::finish`].
+    #[inline(always)]
+    pub(super) unsafe fn means(
+        reducer: &mut RowReducer,
+        sums: PendingSums,
+        inv_d: f32,
+    ) -> [(f32, f32); 2] {
+        let [a, b] = unsafe { reducer.finish::<2>(sums) };
+        [(0.0, a * inv_d), (0.0, b * inv_d)]
     }
 }
 

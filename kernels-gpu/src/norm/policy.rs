@@ -372,6 +372,18 @@ pub const fn staged_stages(centered: bool, bytes: usize, vpt: usize, cluster: bo
     }
 }
 
+/// Whether a [`staged`] backward takes its rows two at a time where it can (saved statistics, no
+/// dresidual; `super::staged`): RMSNorm's 16-bit one-access ring instances ([`has_ring_instance`]),
+/// whose blocks each run one row's chain of load, reduction and store at a time, and whose one
+/// value to reduce per row leaves room for a second row's in the same exchange. The second row
+/// takes ptxas from 87 registers to 117 (four 128-thread blocks per SM instead of five, enough for
+/// 512 groups on 132 SMs). Faster at 65536×1024 and at small batches of rows of 512, a little
+/// slower at 16384×1024, on an H100 (`bench-results/h200.md`, fifty-fifth session). Not the block
+/// instances (their budget of 80 would spill) nor f32 rows (1024-thread blocks need 64).
+pub const fn pairs_rows(centered: bool, bytes: usize, vpt: usize, ring: bool) -> bool {
+    !centered && bytes == 2 && vpt == 1 && ring
+}
+
 /// Whether a backward block tile (`key`, its `ring` unset) has a ring instance
 /// (`NormKey::ring`, sm_90): the plain packed one-access tiles, which stage a row in one pass.
 pub const fn has_ring_instance(key: NormKey) -> bool {

@@ -3,7 +3,7 @@
 //! instead of one prefetched row in registers.
 
 use super::Normalization;
-use super::backward::load_stats;
+use super::backward::{DxRow, RowPair, load_stats};
 use super::params::BackwardParams;
 use super::policy::gamma_end;
 use super::rows::{Plain, RowSource};
@@ -255,6 +255,7 @@ pub(super) unsafe fn backward_staged<
     const VPT: usize,
     N: Normalization,
     const STAGES: usize,
+    const PAIRS: bool,
 >(
     p: &BackwardParams,
     src: Plain,
@@ -271,9 +272,11 @@ pub(super) unsafe fn backward_staged<
     let mut reducer = unsafe { RowReducer::new(team) };
     let tile = unsafe { BackwardTile::<T, VEC, VPT, N, Plain>::new(p, src, team) };
     // Two copies of the row loop: a call that adds a dresidual (a launch constant) takes the
-    // one that reads each row twice.
+    // one that reads each row twice. RMSNorm's block tiles with saved statistics take rows in pairs.
     unsafe {
-        if <Plain as RowSource<T, VEC>>::has_extra(&src) {
+        if PAIRS && !<Plain as RowSource<T, VEC>>::has_extra(&src) && p.rstd != 0 {
+            staged_row_pairs::<T, VEC, VPT, N, STAGES>(p, &ring, &mut reducer, &tile, team)
+        } else if <Plain as RowSource<T, VEC>>::has_extra(&src) {
             staged_rows::<T, VEC, VPT, N, STAGES, true>(p, &ring, &mut reducer, &tile, team)
         } else {
             staged_rows::<T, VEC, VPT, N, STAGES, false>(p, &ring, &mut reducer, &tile, team)
@@ -378,6 +381,111 @@ unsafe fn staged_rows<
         } else {
             unsafe { tile.store_group(group, &dgamma, &dbeta) };
         }
+        group += team.stride;
+    }
+}
+
+/// The rows of a [`backward_staged`] block team two at a time where they can be: RMSNorm with
+/// saved statistics and no dresidual. A block's rows are a chain — wait for the row, reduce it
+/// (a block barrier), write dx — and a block runs one chain at a time; two rows per reduction
+/// halve the barriers and reductions per row. dγ still takes the rows one by one, in order: the
+/// same bits as one row at a time. A group's odd last row goes alone.
+///
+/// # Safety
+/// As for [`staged_rows`]; the team is a block (the ring's stages are refilled after the
+/// reduction's block barrier); `p.rstd` is set.
+#[inline(always)]
+unsafe fn staged_row_pairs<
+    T: Element,
+    const VEC: bool,
+    const VPT: usize,
+    N: Normalization,
+    const STAGES: usize,
+>(
+    p: &BackwardParams,
+    ring: &StagedRows<T, VPT, STAGES>,
+    reducer: &mut RowReducer,
+    tile: &BackwardTile<T, VEC, VPT, N, Plain>,
+    team: Team,
+) {
+    let (per_group, rows) = (p.rows_per_group as usize, p.rows as usize);
+    let group_rows = |group: usize| {
+        let first = arch::opaque(group) * per_group;
+        (first, (first + per_group).min(rows))
+    };
+    let filler = arch::thread_idx() == 0;
+    let mut fill = TeamRows::new(team.first, per_group, team.stride, rows);
+    for i in 0..STAGES {
+        if filler && let Some(row) = fill.get() {
+            unsafe { ring.fill(p, i, row) };
+        }
+        fill.advance();
+    }
+    let mut refill = |i: usize| {
+        if filler && let Some(next) = fill.get() {
+            unsafe { ring.fill(p, i + STAGES, next) };
+        }
+        fill.advance();
+    };
+    // The statistics of the team's next two rows, loaded ahead of them as the ring loads rows.
+    let mut stat_rows = TeamRows::new(team.first, per_group, team.stride, rows);
+    let mut next_stats = || {
+        let stats = stat_rows
+            .get()
+            .map_or((0.0, 0.0), |row| load_stats::<N>(p, row));
+        stat_rows.advance();
+        stats
+    };
+    let mut ahead = [next_stats(), next_stats()];
+    let no_extra = [[0; 4]; VPT];
+    let (mut group, mut i) = (team.first, 0);
+    while group < p.groups as usize {
+        let (first, end) = group_rows(group);
+        let mut dgamma = [[0.0f32; 8]; VPT];
+        let mut dbeta = [[0.0f32; 8]; VPT];
+        let mut row = first;
+        while row < end {
+            if row + 1 < end {
+                let stats = ahead;
+                ahead = [next_stats(), next_stats()];
+                let a = unsafe { ring.take(i, |k| tile.elem(k)) };
+                let b = unsafe { ring.take(i + 1, |k| tile.elem(k)) };
+                let (a, b) = (
+                    (a.0, a.1, no_extra, stats[0]),
+                    (b.0, b.1, no_extra, stats[1]),
+                );
+                let (xa, xb) = (tile.hold(&a.0), tile.hold(&b.0));
+                let sums = (
+                    tile.row_sums(&xa, &a.1, stats[0].0),
+                    tile.row_sums(&xb, &b.1, stats[1].0),
+                );
+                unsafe {
+                    let pending = RowPair::start(reducer, sums, (stats[0].1, stats[1].1));
+                    // Past the reduction's barrier every thread has read both stages.
+                    refill(i);
+                    refill(i + 1);
+                    let [ma, mb] = RowPair::means(reducer, pending, p.inv_d);
+                    let (da, db) = (DxRow::new(stats[0], ma), DxRow::new(stats[1], mb));
+                    tile.pass2_of(row, &a, &xa, da, &mut dgamma, &mut dbeta);
+                    tile.pass2_of(row + 1, &b, &xb, db, &mut dgamma, &mut dbeta);
+                }
+                row += 2;
+                i += 2;
+            } else {
+                let stats = ahead[0];
+                ahead = [ahead[1], next_stats()];
+                let (x, dy) = unsafe { ring.take(i, |k| tile.elem(k)) };
+                let this = (x, dy, no_extra, stats);
+                unsafe {
+                    let pass1 = tile.pass1(reducer, row, &this);
+                    refill(i);
+                    tile.pass2(reducer, row, &this, pass1, &mut dgamma, &mut dbeta);
+                }
+                row += 1;
+                i += 1;
+            }
+        }
+        unsafe { tile.store_group(group, &dgamma, &dbeta) };
         group += team.stride;
     }
 }

@@ -226,10 +226,7 @@ impl<T: Element, const VEC: bool, const VPT: usize, N: Normalization, S: RowSour
                 }
             }
         }
-        let mut x = [S::Held::default(); VPT];
-        for k in 0..VPT {
-            x[k] = self.src.hold(&raw[k]);
-        }
+        let x = self.hold(raw);
         // Nothing saved: recompute the statistics from the row already in registers.
         let (mean, rstd) = if p.rstd == 0 {
             unsafe {
@@ -240,6 +237,13 @@ impl<T: Element, const VEC: bool, const VPT: usize, N: Normalization, S: RowSour
         } else {
             *saved
         };
+        let sums = unsafe { self.row_sums(&x, dy, mean).start::<N>(reducer, rstd) };
+        (x, (mean, rstd), sums)
+    }
+
+    /// This thread's part of a row's pass-1 sums, about the row's mean.
+    #[inline(always)]
+    pub(super) fn row_sums(&self, x: &[S::Held; VPT], dy: &[Pack; VPT], mean: f32) -> RowSums {
         let mut sums = RowSums::default();
         for k in 0..VPT {
             let gamma = self.gamma(k);
@@ -248,8 +252,17 @@ impl<T: Element, const VEC: bool, const VPT: usize, N: Normalization, S: RowSour
                 sums.add(T::get(&dy[k], i) * gamma[i], S::get(&x[k], i) - mean);
             }
         }
-        let sums = unsafe { sums.start::<N>(reducer, rstd) };
-        (x, (mean, rstd), sums)
+        sums
+    }
+
+    /// x of a loaded row as the passes use it.
+    #[inline(always)]
+    pub(super) fn hold(&self, raw: &[S::Raw; VPT]) -> [S::Held; VPT] {
+        let mut x = [S::Held::default(); VPT];
+        for k in 0..VPT {
+            x[k] = self.src.hold(&raw[k]);
+        }
+        x
     }
 
     /// Pass 2 of a row: finishes its sums, writes dx and adds the row into `dgamma` and `dbeta`.
@@ -269,15 +282,30 @@ impl<T: Element, const VEC: bool, const VPT: usize, N: Normalization, S: RowSour
     ) {
         let p = self.p;
         let (x, stats, sums) = pass1;
-        let dx_of = DxRow::new(stats, unsafe {
-            RowSums::means::<N>(reducer, sums, p.inv_d)
-        });
+        let means = unsafe { RowSums::means::<N>(reducer, sums, p.inv_d) };
+        unsafe { self.pass2_of(row, loaded, &x, DxRow::new(stats, means), dgamma, dbeta) }
+    }
+
+    /// The end of [`Self::pass2`], from the row's reduced means (`dx_of`).
+    ///
+    /// # Safety
+    /// As for [`Self::pass2`], less the reduction.
+    #[inline(always)]
+    pub(super) unsafe fn pass2_of(
+        &self,
+        row: usize,
+        loaded: &LoadedRow<S::Raw, S::Extra, VPT>,
+        x: &[S::Held; VPT],
+        dx_of: DxRow,
+        dgamma: &mut [[f32; 8]; VPT],
+        dbeta: &mut [[f32; 8]; VPT],
+    ) {
         // Two copies of the loop where the source may add something into dx, so a call without
         // it runs none of the adds.
         if self.src.has_extra() {
-            unsafe { self.write_dx::<true>(row, loaded, &x, dx_of, dgamma, dbeta) }
+            unsafe { self.write_dx::<true>(row, loaded, x, dx_of, dgamma, dbeta) }
         } else {
-            unsafe { self.write_dx::<false>(row, loaded, &x, dx_of, dgamma, dbeta) }
+            unsafe { self.write_dx::<false>(row, loaded, x, dx_of, dgamma, dbeta) }
         }
     }
 

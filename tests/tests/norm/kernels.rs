@@ -144,6 +144,29 @@ fn emulator_ring_block_tiles_match_reference() {
     emulated::<f32>(Kind::Rms, &rms);
 }
 
+/// RMSNorm's 16-bit one-access ring instances take rows two at a time within a dγ group
+/// (`policy::pairs_rows`). They run small batches — every dγ group a resident block — so on an
+/// emulated device of 192 resident blocks groups of several rows reach them: 129 groups of 2 rows
+/// of 1024 (the last of 1), 171 groups of 3 strided rows (a pair and a single), 150 groups of 2
+/// rows of 1000; bitwise the same on grids of 1 and 3 blocks (one block walks every group) and on
+/// the default device of 4 resident blocks, where the block instance takes them one row at a time.
+/// The recomputed-statistics rows take the one-row path.
+#[test]
+fn emulator_rms_norm_row_pairs_match_reference() {
+    let device = Emulator::new().with_resident_blocks(192).unwrap();
+    let grids = [1, 3].map(|blocks| (blocks, Host(device.with_grid_limit(blocks).unwrap())));
+    let [one, three] = grids;
+    let grids = [one, three, (4, Host(Emulator::new()))];
+    let shapes = [
+        (257, 1024, 1024, 0),
+        (513, 1024, 1032, 8),
+        (300, 1000, 1000, 0),
+    ];
+    matches_reference::<bf16, _>(&Host(device), Kind::Rms, &shapes, &grids);
+    matches_reference::<f16, _>(&Host(device), Kind::Rms, &shapes[1..2], &grids);
+    weight_offset_and_recomputed_statistics::<bf16, _>(&Host(device), &shapes[..1]);
+}
+
 /// LayerNorm's streaming instance (rows too wide for registers: packed rows of 40000 bf16 without
 /// clusters, single-element rows of 8200) takes the variance from each thread's moments in the
 /// same pass as the mean (`rows::Moments`). Against the reference, and off-centre: rows whose mean
