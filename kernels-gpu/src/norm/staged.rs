@@ -272,7 +272,8 @@ pub(super) unsafe fn backward_staged<
     let mut reducer = unsafe { RowReducer::new(team) };
     let tile = unsafe { BackwardTile::<T, VEC, VPT, N, Plain>::new(p, src, team) };
     // Two copies of the row loop: a call that adds a dresidual (a launch constant) takes the
-    // one that reads each row twice. RMSNorm's block tiles with saved statistics take rows in pairs.
+    // one that reads each row twice. Where `pairs_rows` (a constant: `PAIRS`), a call with saved
+    // statistics takes its rows in pairs.
     unsafe {
         if PAIRS && !<Plain as RowSource<T, VEC>>::has_extra(&src) && p.rstd != 0 {
             staged_row_pairs::<T, VEC, VPT, N, STAGES>(p, &ring, &mut reducer, &tile, team)
