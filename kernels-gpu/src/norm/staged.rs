@@ -415,6 +415,9 @@ unsafe fn staged_row_pairs<
         (first, (first + per_group).min(rows))
     };
     let filler = arch::thread_idx() == 0;
+    // The team's first `STAGES` rows, as `staged_rows` fills them (written out in both: through
+    // one shared method ptxas spilled RMSNorm's 16-bit block instance, which runs `staged_rows`,
+    // at its budget of 80 registers).
     let mut fill = TeamRows::new(team.first, per_group, team.stride, rows);
     for i in 0..STAGES {
         if filler && let Some(row) = fill.get() {
