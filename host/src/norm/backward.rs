@@ -513,6 +513,8 @@ pub(crate) mod tests {
         let backward = name.contains("_bwd");
         match (backward, tile) {
             _ if name.starts_with("column_sum") => 32,
+            // Two rows a reduction (`policy::pairs_rows`): four 128-thread blocks per SM.
+            _ if name == "rms_norm_bwd_bf16_v1r" => 117,
             _ if name == "rms_norm_bwd_f32_v2c" => 64,
             _ if name == "layer_norm_bwd_f32_v2c" => 80,
             _ if name == "rms_norm_bwd_f32_v4c" => 172,
@@ -612,6 +614,9 @@ pub(crate) mod tests {
             (Layer, 8192, 512, false, "layer_norm_bwd_bf16_v1r", 64, 1),
             (Rms, 8192, 512, false, "rms_norm_bwd_bf16_v1r", 64, 1),
             (Rms, 4096, 1024, false, "rms_norm_bwd_bf16_v1r", 128, 1),
+            // The sweep's 65536×1024: 512 groups, four blocks of the pairs' 117 registers on
+            // each of 132 SMs.
+            (Rms, 65536, 1024, false, "rms_norm_bwd_bf16_v1r", 128, 1),
             // Large batches in 64-thread blocks (d = 512), the dresidual tiles and RMSNorm's
             // block instance where its groups outnumber its blocks keep the block instance.
             (Layer, 262144, 512, false, "layer_norm_bwd_bf16_v1", 64, 0),
