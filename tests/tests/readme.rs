@@ -1,16 +1,16 @@
 //! The README's walk-through compiles: every code line of its block is a line of
 //! `host/examples/tour.rs` (which CI builds), in the same order. Comment lines and the spacing
 //! within a line do not count; the example may have more lines (those that make the buffers).
+//! Both files are compiled into the test, so a bundled test executable (`cargo xtask bundle`) runs
+//! anywhere, without the source tree.
 
-use std::path::Path;
+/// The README and the example, as they were when this test was built.
+const README: &str = include_str!("../../README.md");
+const TOUR: &str = include_str!("../../host/examples/tour.rs");
 
 #[test]
 fn readme_walk_through_is_the_tour_example() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the tests crate lives in the workspace");
-    let read = |path: &str| std::fs::read_to_string(root.join(path)).expect(path);
-    let (readme, tour) = (read("README.md"), read("host/examples/tour.rs"));
+    let (readme, tour) = (README, TOUR);
     let opening = "```rust\nuse half::bf16;\n";
     let start = readme
         .find(opening)
