@@ -70,6 +70,9 @@ pub const MAX_BLOCK_SUMS: usize = 3;
 /// Most values of a reduction started and finished apart ([`RowReducer::start`]: the backward's
 /// two dot products).
 pub const MAX_PENDING_SUMS: usize = 2;
+/// Most values one block-only call reduces at once ([`RowReducer::block_sums`]: two rows' two
+/// sums, LayerNorm's backward taking rows in pairs).
+pub const MAX_BLOCK_ONLY_SUMS: usize = 4;
 /// The block's slots: two of one word per warp per value.
 const BLOCK_SLOTS: usize = 0;
 /// Mailbox slots per block. Between starting a call and finishing it, a block starts at most
@@ -84,7 +87,7 @@ const MAILBOX_SLOTS: usize = 2 * MAX_LEAD + 2;
 pub const MAX_LEAD: usize = 1;
 /// The cluster's mailboxes: per slot, one word per block per value, written by the blocks of the
 /// cluster.
-const MAILBOXES: usize = BLOCK_SLOTS + 2 * MAX_BLOCK_SUMS * WARP;
+const MAILBOXES: usize = BLOCK_SLOTS + 2 * MAX_BLOCK_ONLY_SUMS * WARP;
 /// One mbarrier (two words, 8-byte aligned) per mailbox slot, counting the bytes that landed.
 const MAILBOX_BARRIERS: usize = MAILBOXES + MAILBOX_SLOTS * MAX_CLUSTER * MAX_BLOCK_SUMS;
 /// Words of dynamic shared memory a [`RowReducer`] needs.
@@ -208,6 +211,17 @@ impl RowReducer {
         unsafe { self.exchange(warp_sums(v), warp_sums).resized() }
     }
 
+    /// Sums of `N ≤ MAX_BLOCK_ONLY_SUMS` values over a block team, complete on return (one
+    /// barrier); every thread gets the totals, each value's the bits [`Self::sums`] gives it alone.
+    ///
+    /// # Safety
+    /// As for [`Self::sums`]; the team is a block (not a cluster, not a warp's segment).
+    #[inline(always)]
+    pub unsafe fn block_sums<const N: usize>(&mut self, v: [f32; N]) -> [f32; N] {
+        const { assert!(N <= MAX_BLOCK_ONLY_SUMS) };
+        unsafe { self.exchange(warp_sums(v), warp_sums).block }
+    }
+
     /// The mean of the team's elements and their squared deviations about it (LayerNorm's μ and
     /// M2), in one exchange where a sum and then the deviations about its mean would take two:
     /// each warp sums its elements and their count, and its deviations about its own mean
@@ -249,7 +263,7 @@ impl RowReducer {
         combine: impl Fn([f32; N]) -> [f32; N],
     ) -> Pending<N> {
         let shared = arch::shared_f32();
-        let base = BLOCK_SLOTS + self.block_slot * MAX_BLOCK_SUMS * WARP;
+        let base = BLOCK_SLOTS + self.block_slot * MAX_BLOCK_ONLY_SUMS * WARP;
         self.block_slot ^= 1;
         let tid = arch::recomputed_on_sm80(arch::thread_idx());
         let (lane, warp_idx, warps) = (tid % WARP, tid / WARP, arch::block_dim() / WARP);

@@ -515,6 +515,7 @@ pub(crate) mod tests {
             _ if name.starts_with("column_sum") => 32,
             // Two rows a reduction (`policy::pairs_rows`): four 128-thread blocks per SM.
             _ if name == "rms_norm_bwd_bf16_v1r" => 117,
+            _ if name == "layer_norm_bwd_bf16_v1r" => 128,
             _ if name == "rms_norm_bwd_f32_v2c" => 64,
             _ if name == "layer_norm_bwd_f32_v2c" => 80,
             _ if name == "rms_norm_bwd_f32_v4c" => 172,

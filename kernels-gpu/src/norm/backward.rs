@@ -76,7 +76,7 @@ pub unsafe fn backward<
                 // The ring's depth is a constant of the instance (`i % STAGES` a mask at 4).
                 if staged_stages(N::CENTERED, T::BYTES, VPT, CLUSTER) == 3 {
                     backward_staged::<T, VEC, VPT, N, 3, false>(p, plain, team)
-                } else if pairs_rows(N::CENTERED, T::BYTES, VPT, RING) {
+                } else if pairs_rows(T::BYTES, VPT, RING) {
                     backward_staged::<T, VEC, VPT, N, 4, true>(p, plain, team)
                 } else {
                     backward_staged::<T, VEC, VPT, N, 4, false>(p, plain, team)
@@ -145,37 +145,33 @@ impl RowSums {
     }
 }
 
-/// RMSNorm's pass-1 sums of two rows reduced at once: one exchange and one block barrier for both
-/// where each row alone takes one. Each row's total has the bits of its own reduction (the
+/// The pass-1 sums of two rows reduced at once: one block exchange and one barrier for both
+/// where each row alone takes one. Each row's totals have the bits of its own reduction (the
 /// butterfly and the warps' combination add each value apart, in the same order).
 pub(super) struct RowPair;
 
 impl RowPair {
-    /// Starts the reduction of rows a's and b's `Σ dŷ·x̂` (RMSNorm: `rstd·Σ dŷ·x`).
+    /// Rows a's and b's `(mean(dŷ), mean(dŷ·x̂))` (RMSNorm: the first 0), as [`RowSums::means`]
+    /// gives each; `Σ dŷ·x̂ = rstd·Σ dŷ·(x−μ)`.
     ///
     /// # Safety
-    /// As for [`RowReducer::start`].
+    /// As for [`RowReducer::block_sums`].
     #[inline(always)]
-    pub(super) unsafe fn start(
+    pub(super) unsafe fn means<N: Normalization>(
         reducer: &mut RowReducer,
         (a, b): (RowSums, RowSums),
         (rstd_a, rstd_b): (f32, f32),
-    ) -> PendingSums {
-        unsafe { reducer.start([a.dot * rstd_a, b.dot * rstd_b]) }
-    }
-
-    /// Each row's `(mean(dŷ), mean(dŷ·x̂))` (RMSNorm: the first 0), as [`RowSums::means`] gives it.
-    ///
-    /// # Safety
-    /// As for [`RowReducer::finish`].
-    #[inline(always)]
-    pub(super) unsafe fn means(
-        reducer: &mut RowReducer,
-        sums: PendingSums,
         inv_d: f32,
     ) -> [(f32, f32); 2] {
-        let [a, b] = unsafe { reducer.finish::<2>(sums) };
-        [(0.0, a * inv_d), (0.0, b * inv_d)]
+        let (dot_a, dot_b) = (a.dot * rstd_a, b.dot * rstd_b);
+        if N::CENTERED {
+            let [dy_a, dot_a, dy_b, dot_b] =
+                unsafe { reducer.block_sums([a.dy_hat, dot_a, b.dy_hat, dot_b]) };
+            [(dy_a * inv_d, dot_a * inv_d), (dy_b * inv_d, dot_b * inv_d)]
+        } else {
+            let [dot_a, dot_b] = unsafe { reducer.block_sums([dot_a, dot_b]) };
+            [(0.0, dot_a * inv_d), (0.0, dot_b * inv_d)]
+        }
     }
 }
 

@@ -373,15 +373,17 @@ pub const fn staged_stages(centered: bool, bytes: usize, vpt: usize, cluster: bo
 }
 
 /// Whether a [`staged`] backward takes its rows two at a time where it can (saved statistics, no
-/// dresidual; `super::staged`): RMSNorm's 16-bit one-access ring instances ([`has_ring_instance`]),
-/// whose blocks each run one row's chain of load, reduction and store at a time, and whose one
-/// value to reduce per row leaves room for a second row's in the same exchange. The second row
-/// takes ptxas from 87 registers to 117 (four 128-thread blocks per SM instead of five, enough for
-/// 512 groups on 132 SMs). Faster at 65536×1024 and at small batches of rows of 512, a little
-/// slower at 16384×1024, on an H100 (`bench-results/h200.md`, fifty-fifth session). Not the block
-/// instances (their budget of 80 would spill) nor f32 rows (1024-thread blocks need 64).
-pub const fn pairs_rows(centered: bool, bytes: usize, vpt: usize, ring: bool) -> bool {
-    !centered && bytes == 2 && vpt == 1 && ring
+/// dresidual; `super::staged`): the 16-bit one-access ring instances ([`has_ring_instance`]),
+/// whose blocks each run one row's chain of load, reduction and store at a time; a second row's
+/// sums ride in the same block exchange (RMSNorm one value a row, LayerNorm two). ptxas: RMSNorm's
+/// 87 registers → 117, LayerNorm's 96 → 128 — four 128-thread blocks per SM (enough for 512 groups
+/// on 132 SMs), two of 256 as before. On an H100: RMSNorm faster at 65536×1024 and small batches
+/// of rows of 512, a little slower at 16384×1024 (fifty-fifth session); LayerNorm +1.7–2.0 points
+/// in small batches (4096×1024, 8192×512), level at 65536×1024, 0.6 lower at 32768×2048
+/// (fifty-sixth; `bench-results/h200.md`). Not the block instances (their budget of 80 would
+/// spill) nor f32 rows (1024-thread blocks need 64).
+pub const fn pairs_rows(bytes: usize, vpt: usize, ring: bool) -> bool {
+    bytes == 2 && vpt == 1 && ring
 }
 
 /// Whether a backward block tile (`key`, its `ring` unset) has a ring instance

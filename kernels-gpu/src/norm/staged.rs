@@ -386,8 +386,8 @@ unsafe fn staged_rows<
     }
 }
 
-/// The rows of a [`backward_staged`] block team two at a time where they can be: RMSNorm with
-/// saved statistics and no dresidual. A block's rows are a chain — wait for the row, reduce it
+/// The rows of a [`backward_staged`] block team two at a time where they can be: saved statistics
+/// and no dresidual. A block's rows are a chain — wait for the row, reduce it
 /// (a block barrier), write dx — and a block runs one chain at a time; two rows per reduction
 /// halve the barriers and reductions per row. dγ still takes the rows one by one, in order: the
 /// same bits as one row at a time. A group's odd last row goes alone.
@@ -464,11 +464,11 @@ unsafe fn staged_row_pairs<
                     tile.row_sums(&xb, &b.1, stats[1].0),
                 );
                 unsafe {
-                    let pending = RowPair::start(reducer, sums, (stats[0].1, stats[1].1));
+                    let [ma, mb] =
+                        RowPair::means::<N>(reducer, sums, (stats[0].1, stats[1].1), p.inv_d);
                     // Past the reduction's barrier every thread has read both stages.
                     refill(i);
                     refill(i + 1);
-                    let [ma, mb] = RowPair::means(reducer, pending, p.inv_d);
                     let (da, db) = (DxRow::new(stats[0], ma), DxRow::new(stats[1], mb));
                     tile.pass2_of(row, &a, &xa, da, &mut dgamma, &mut dbeta);
                     tile.pass2_of(row + 1, &b, &xb, db, &mut dgamma, &mut dbeta);

@@ -7,9 +7,9 @@ use std::time::Instant;
 use half::{bf16, f16};
 use normkern::Emulator;
 use normkern_tests::backend::{Backend, Device, Host};
-use normkern_tests::{Rng, TestDtype};
+use normkern_tests::{Rng, TestDtype, same_bits};
 
-use crate::case::{Case, EPS, KINDS, Kind, Shape, emulator};
+use crate::case::{Case, EPS, KINDS, Kind, Layout, Shape, emulator};
 use crate::determinism::check_bitwise_stable;
 
 /// Each shape against the reference on `backend`, and bitwise the same on each of `grids`.
@@ -144,15 +144,17 @@ fn emulator_ring_block_tiles_match_reference() {
     emulated::<f32>(Kind::Rms, &rms);
 }
 
-/// RMSNorm's 16-bit one-access ring instances take rows two at a time within a dγ group
-/// (`policy::pairs_rows`). They run small batches — every dγ group a resident block — so on an
-/// emulated device of 192 resident blocks groups of several rows reach them: 129 groups of 2 rows
-/// of 1024 (the last of 1), 171 groups of 3 strided rows (a pair and a single), 150 groups of 2
-/// rows of 1000; bitwise the same on grids of 1 and 3 blocks (one block walks every group) and on
-/// the default device of 4 resident blocks, where the block instance takes them one row at a time.
-/// The recomputed-statistics rows take the one-row path.
+/// The 16-bit one-access ring instances take rows two at a time within a dγ group
+/// (`policy::pairs_rows`). RMSNorm's run small batches — every dγ group a resident block — so on
+/// an emulated device of 192 resident blocks groups of several rows reach them (LayerNorm's run
+/// rows of 1024–2048 at any batch): 129 groups of 2 rows of 1024 (the last of 1), 171 groups of 3
+/// strided rows (a pair and a single), 150 groups of 2 rows of 1000; bitwise the same on grids of
+/// 1 and 3 blocks (one block walks every group) and on the default device of 4 resident blocks
+/// (where RMSNorm's block instance takes them one row at a time); and each row's dx has the bits
+/// of that row run alone (a batch of one row: the one-row path). The recomputed-statistics rows
+/// take the one-row path.
 #[test]
-fn emulator_rms_norm_row_pairs_match_reference() {
+fn emulator_row_pairs_match_reference() {
     let device = Emulator::new().with_resident_blocks(192).unwrap();
     let grids = [1, 3].map(|blocks| (blocks, Host(device.with_grid_limit(blocks).unwrap())));
     let [one, three] = grids;
@@ -162,9 +164,40 @@ fn emulator_rms_norm_row_pairs_match_reference() {
         (513, 1024, 1032, 8),
         (300, 1000, 1000, 0),
     ];
-    matches_reference::<bf16, _>(&Host(device), Kind::Rms, &shapes, &grids);
-    matches_reference::<f16, _>(&Host(device), Kind::Rms, &shapes[1..2], &grids);
+    for kind in KINDS {
+        matches_reference::<bf16, _>(&Host(device), kind, &shapes, &grids);
+        matches_reference::<f16, _>(&Host(device), kind, &shapes[1..2], &grids);
+        rows_alone_match_the_batch::<bf16>(&Host(device), kind, shapes[1]);
+    }
     weight_offset_and_recomputed_statistics::<bf16, _>(&Host(device), &shapes[..1]);
+}
+
+/// Each of a few rows of a batch (`shape`) run alone, a batch of one row, gives that row's y and
+/// dx the bits the batch gave it: a row's results depend on the row, not on the rows beside it.
+fn rows_alone_match_the_batch<T: TestDtype>(backend: &Host, kind: Kind, shape: Shape) {
+    let mut rng = Rng::fresh(&format!("rows alone {kind:?} {}", T::NAME));
+    let batch = Case::<T>::new(kind, &mut rng, shape);
+    let out = batch.run(backend);
+    let (rows, d, stride, offset) = shape;
+    for r in [0, 1, 2, rows / 2, rows - 2, rows - 1] {
+        let at = offset + r * stride;
+        let alone = Case {
+            layout: Layout::new((1, d, d, 0)),
+            x: batch.x[at..at + d].to_vec(),
+            dy: batch.dy[at..at + d].to_vec(),
+            weight: batch.weight.clone(),
+            bias: batch.bias.clone(),
+            ..Case::<T>::new(kind, &mut rng, (1, d, d, 0))
+        };
+        let one = alone.run(backend);
+        for (what, got, want) in [("y", &one.y, &out.y), ("dx", &one.dx, &out.dx)] {
+            assert!(
+                same_bits(got, &want[at..at + d]),
+                "{} row {r}: {what} alone differs from the batch's",
+                batch.describe()
+            );
+        }
+    }
 }
 
 /// LayerNorm's streaming instance (rows too wide for registers: packed rows of 40000 bf16 without
