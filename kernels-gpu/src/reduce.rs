@@ -64,8 +64,8 @@ pub fn merge_moments(part: [f32; 3]) -> [f32; 3] {
     [total, n, warp_sum(arch::fma(count * off, off, m2))]
 }
 
-/// Most values one [`RowReducer`] call reduces at once: a part's sum, count and deviations
-/// ([`RowReducer::mean_and_deviations`]).
+/// Most values one [`RowReducer`] call that may span a cluster reduces at once (the width of its
+/// mailboxes): a part's sum, count and deviations ([`RowReducer::mean_and_deviations`]).
 pub const MAX_BLOCK_SUMS: usize = 3;
 /// Most values of a reduction started and finished apart ([`RowReducer::start`]: the backward's
 /// two dot products).
