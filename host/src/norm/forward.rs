@@ -369,8 +369,6 @@ mod tests {
         for (d, name, block) in [
             (128, "rms_norm_fwd_bf16_v2l8", 64),
             (256, "rms_norm_fwd_bf16_v2l16", 64),
-            (512, "rms_norm_fwd_bf16_v4l16", 32),
-            (1024, "rms_norm_fwd_bf16_v4l32", 32),
         ] {
             let rows = 1 << 20;
             let launch = plan(&call(Norm::Rms, rows, d), &H200).unwrap().unwrap();
@@ -381,7 +379,6 @@ mod tests {
         // Plain LayerNorm: teams of 2 accesses walk 4 rows each in 128-thread blocks, or fewer
         // where that would leave fewer blocks than a team per row keeps resident (1320 on the
         // fake H200: 10 a SM by its registers); a grid limit still holds (then they walk more).
-        // Teams of 4 take the one-shot grid.
         for (d, name, rows, rows_per_team) in [
             (128, "layer_norm_fwd_bf16_v2l8", 1 << 20, 4),
             (128, "layer_norm_fwd_bf16_v2l8", 40000, 2),
@@ -404,25 +401,31 @@ mod tests {
                 .unwrap();
             assert_eq!((launch.block, launch.grid), (128, 7), "{d}");
         }
-        for (d, name) in [
-            (512, "layer_norm_fwd_bf16_v4l16"),
-            (1024, "layer_norm_fwd_bf16_v4l32"),
+        // Past the teams' reach (256 16-bit elements, 128 f32): a block per row on the one-shot
+        // grid, of the fewest accesses the family takes (LayerNorm's plain tile 2, else 1).
+        for (norm, residual, d, name, block) in [
+            (Norm::Rms, false, 512, "rms_norm_fwd_bf16_v1", 64),
+            (Norm::Rms, false, 1024, "rms_norm_fwd_bf16_v1", 128),
+            (Norm::Layer, false, 512, "layer_norm_fwd_bf16_v2", 32),
+            (Norm::Layer, false, 1024, "layer_norm_fwd_bf16_v2", 64),
+            (Norm::Rms, true, 1024, "rms_norm_fwd_res_bf16_v1", 128),
+            (Norm::Layer, true, 1024, "layer_norm_fwd_res_bf16_v1", 128),
+            (Norm::Rms, false, 1032, "rms_norm_fwd_bf16_v1", 160),
         ] {
-            let launch = plan(&call(Norm::Layer, 1 << 20, d), &H200)
+            let launch = plan(&call_with(norm, residual, 1 << 20, d), &H200)
                 .unwrap()
                 .unwrap();
-            assert_eq!((launch.kernel.name, launch.block), (name, 32), "{d}");
-            assert_eq!(
-                launch.grid,
-                (1 << 20) / (32 / launch.kernel.key.lanes),
-                "{d}"
-            );
+            let what = format!("{norm:?} {d}, residual {residual}");
+            assert_eq!((launch.kernel.name, launch.block), (name, block), "{what}");
+            assert_eq!(launch.grid, 1 << 20, "{what}");
         }
-        // Past a warp's reach: a block per row.
-        let wide = plan(&call(Norm::Rms, 1 << 20, 1032), &H200)
-            .unwrap()
-            .unwrap();
-        assert_eq!(wide.kernel.key.lanes, 0);
+        let mut f32_rows = call(Norm::Rms, 1 << 20, 256);
+        f32_rows.key = NormKey::call(Norm::Rms, false, KernelDtype::F32);
+        let launch = plan(&f32_rows, &H200).unwrap().unwrap();
+        assert_eq!(
+            (launch.kernel.name, launch.block),
+            ("rms_norm_fwd_f32_v1", 64)
+        );
     }
 
     #[test]

@@ -294,12 +294,15 @@ norm_kernels! {
     // the streaming tile ([`STREAM`], suffix `x`).
     register_tiles: [1 "1", 2 "2", 4 "4"];
 
-    // Segment teams `(vpt, lanes)`: the forward's reach a row of 1024 16-bit elements (512 of
-    // f32) in one warp, with 4 accesses per lane. The backward's hold one access per lane (d ≤ 256
-    // at 16 bits): a thread holds x, dy, γ, dγ, dβ and the next row, and two accesses took 200
-    // registers, one block per SM, slower at d = 512 than the block tile.
+    // Segment teams `(vpt, lanes)`: the forward's reach a row of 256 16-bit elements (128 of f32)
+    // with 2 accesses per lane. Wider rows take block tiles: teams of 4 accesses (d = 512 and
+    // 1024 at 16 bits, a row per warp at most) measured 1.4–2.9 points slower than a one-shot
+    // block per row of 1 or 2 accesses per thread, which keeps three times the warps resident
+    // (`bench-results/h200.md`, fifty-seventh session). The backward's hold one access per lane
+    // (d ≤ 256 at 16 bits): a thread holds x, dy, γ, dγ, dβ and the next row, and two accesses
+    // took 200 registers, one block per SM, slower at d = 512 than the block tile.
     FORWARD: ForwardParams = forward, shared forward_shared_bytes, large forward_large_shared,
-        registers forward_register_budget, segments [(2, 8), (2, 16), (4, 16), (4, 32)],
+        registers forward_register_budget, segments [(2, 8), (2, 16)],
         single segments [(4, 32)] {
         "rms_norm_fwd" => RmsNorm, residual false, single all, ring none;
         "layer_norm_fwd" => LayerNorm, residual false, single all, ring none;

@@ -124,7 +124,8 @@ pub const fn forward_stream_threads(residual: bool, row_bytes: usize) -> usize {
 /// teams need no registers for a second row, so more warps stay resident. Plain LayerNorm waits
 /// for two reductions per row: with 2 accesses per thread the walk's prefetch hides them better
 /// (one-shot measured 2 points lower at d = 256, equal at 128); with 4 one-shot measured 4–6
-/// points higher (d = 512, 1024 at 16 bits; `bench-results/h200.md`, thirty-third session).
+/// points higher (the packed teams of d = 512, 1024 at 16 bits, since replaced by block tiles;
+/// `bench-results/h200.md`, thirty-third session): the single-element teams of 4 keep it.
 pub const fn forward_segments_one_shot(centered: bool, residual: bool, vpt: usize) -> bool {
     !centered || residual || vpt >= 4
 }

@@ -52,8 +52,8 @@ fn weight_offset_and_recomputed_statistics<T: TestDtype, B: Backend>(
 // The CPU emulator: the same kernel bodies that are compiled to PTX, on small shapes.
 
 /// Odd d, rows not a multiple of the 16-row group, packed and single-element access, strided
-/// rows, and a row too wide for registers (the streaming instance). Rows of up to 512 (1024 in the
-/// forward) take segment teams, several rows per warp: 4500 rows of 24 are groups of 16 rows
+/// rows, and a row too wide for registers (the streaming instance). Rows of up to 256 take
+/// segment teams, several rows per warp: 4500 rows of 24 are groups of 16 rows
 /// over a block's 32 teams of 8 lanes. Packed rows of 1024 take RMSNorm's staged backward block
 /// tile (128 threads at 16 bits, 256 at f32), those of 512 the same tile's register prefetch (64
 /// threads at 16 bits): 40 groups of one row and 150 of two, which the limited grids walk across
