@@ -345,9 +345,12 @@ fn emulated_small_batches_split_over_clusters() {
 /// Every d of the acceptance list, each with a row count from its list so every count appears;
 /// small batches of rows split over clusters (groups of one and of four rows); and narrow rows
 /// over many groups of segment teams (QK-norm's 128; 100 by single-element access).
-const GPU_SHAPES: [(usize, usize); 24] = [
+const GPU_SHAPES: [(usize, usize); 25] = [
     (65536, 128),
     (20000, 256),
+    // The forward's rows past its segment teams' reach: a block per row of 64 (RMSNorm) or 32
+    // (LayerNorm's 2-access tile) threads.
+    (10000, 512),
     (9000, 100),
     (16384, 1),
     (1000, 2),
