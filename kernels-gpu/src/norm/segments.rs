@@ -4,8 +4,8 @@
 //!
 //! The forward is the register tile's body over such teams (`super::forward`), in blocks of any
 //! whole number of warps (`policy::forward_segments_one_shot` says which grid); its teams reach
-//! rows of 256 16-bit elements, wider rows take a block each. The backward
-//! keeps the deterministic group partials: a block walks the groups, its teams take a group's
+//! rows of 256 16-bit elements, wider rows take a block each. The backward keeps the
+//! deterministic group partials: a block walks the groups, its teams take a group's
 //! rows in turn (team t: rows t, t + teams, …), each thread adds its columns of every row it
 //! visits in fp32 registers, and at the group's end the teams' sums meet in a fixed order — a
 //! butterfly over the teams of a warp, then the warps in order through shared memory — into the
