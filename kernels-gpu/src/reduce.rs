@@ -66,7 +66,7 @@ pub fn merge_moments(part: [f32; 3]) -> [f32; 3] {
 
 /// Most values one [`RowReducer`] call that may span a cluster reduces at once (the width of its
 /// mailboxes): a part's sum, count and deviations ([`RowReducer::mean_and_deviations`]).
-pub const MAX_BLOCK_SUMS: usize = 3;
+pub const MAX_CLUSTER_SUMS: usize = 3;
 /// Most values of a reduction started and finished apart ([`RowReducer::start`]: the backward's
 /// two dot products).
 pub const MAX_PENDING_SUMS: usize = 2;
@@ -89,7 +89,7 @@ pub const MAX_LEAD: usize = 1;
 /// cluster.
 const MAILBOXES: usize = BLOCK_SLOTS + 2 * MAX_BLOCK_ONLY_SUMS * WARP;
 /// One mbarrier (two words, 8-byte aligned) per mailbox slot, counting the bytes that landed.
-const MAILBOX_BARRIERS: usize = MAILBOXES + MAILBOX_SLOTS * MAX_CLUSTER * MAX_BLOCK_SUMS;
+const MAILBOX_BARRIERS: usize = MAILBOXES + MAILBOX_SLOTS * MAX_CLUSTER * MAX_CLUSTER_SUMS;
 /// Words of dynamic shared memory a [`RowReducer`] needs.
 pub const ROW_REDUCER_SHARED_WORDS: usize = MAILBOX_BARRIERS + 2 * MAILBOX_SLOTS;
 
@@ -218,7 +218,6 @@ impl RowReducer {
     /// As for [`Self::sums`]; the team is a block (not a cluster, not a warp's segment).
     #[inline(always)]
     pub unsafe fn block_sums<const N: usize>(&mut self, v: [f32; N]) -> [f32; N] {
-        const { assert!(N <= MAX_BLOCK_ONLY_SUMS) };
         unsafe { self.exchange(warp_sums(v), warp_sums).block }
     }
 
@@ -262,6 +261,10 @@ impl RowReducer {
         warp: [f32; N],
         combine: impl Fn([f32; N]) -> [f32; N],
     ) -> Pending<N> {
+        // The block slots' width (`block_sums`, block teams only, takes up to 4); a cluster's
+        // mailboxes take at most `MAX_CLUSTER_SUMS` (`start`: `MAX_PENDING_SUMS`;
+        // `mean_and_deviations`: 3).
+        const { assert!(N <= MAX_BLOCK_ONLY_SUMS) };
         let shared = arch::shared_f32();
         let base = BLOCK_SLOTS + self.block_slot * MAX_BLOCK_ONLY_SUMS * WARP;
         self.block_slot ^= 1;
@@ -346,7 +349,7 @@ impl RowReducer {
     #[inline(always)]
     fn mailbox(slot: usize) -> (usize, usize) {
         (
-            MAILBOXES + slot * MAX_CLUSTER * MAX_BLOCK_SUMS,
+            MAILBOXES + slot * MAX_CLUSTER * MAX_CLUSTER_SUMS,
             MAILBOX_BARRIERS + 2 * slot,
         )
     }

@@ -10,16 +10,15 @@ const TOUR: &str = include_str!("../../host/examples/tour.rs");
 
 #[test]
 fn readme_walk_through_is_the_tour_example() {
-    let (readme, tour) = (README, TOUR);
     let opening = "```rust\nuse half::bf16;\n";
-    let start = readme
+    let start = README
         .find(opening)
         .expect("the README's walk-through block")
         + "```rust\n".len();
-    let block = &readme[start..];
+    let block = &README[start..];
     let block = &block[..block.find("```").expect("the block's end")];
     let normalize = |line: &str| line.split_whitespace().collect::<Vec<_>>().join(" ");
-    let tour: Vec<String> = tour.lines().map(normalize).collect();
+    let tour: Vec<String> = TOUR.lines().map(normalize).collect();
     let (mut at, mut matched) = (0, 0);
     for line in block.lines().map(normalize) {
         if line.is_empty() || line.starts_with("//") {

@@ -29,8 +29,8 @@
 //! (`rows`).
 //!
 //! Rows of up to 256 16-bit elements are taken by segment teams ([`segments`], the `LANES`
-//! instances): 8 to 32 lanes per row, several rows per warp, shuffles instead of block barriers. Otherwise
-//! one block works on one row at a time. Register tiles (`VPT` = 1, 2, 4 accesses per thread)
+//! instances): 8 to 32 lanes per row, several rows per warp, shuffles instead of block barriers.
+//! Otherwise one block works on one row at a time. Register tiles (`VPT` = 1, 2, 4 accesses per thread)
 //! load the whole row once and keep it on chip: 16-byte packs give every thread `VPT·16` bytes in
 //! flight per operand. Rows too wide for one block's registers are split over a cluster of blocks
 //! (sm_90; the `CLUSTER` instances, [`crate::reduce::Team`]): each block holds its share of the
@@ -299,9 +299,9 @@ norm_kernels! {
     // 1024 at 16 bits, a row per warp at most, 72–77 registers) measured 1.4–2.9 points slower
     // than a one-shot block per row of 1 or 2 accesses per thread, the shape of Liger's kernel,
     // which ncu found with 2.4–2.8 times their resident warps (`bench-results/h200.md`,
-    // fifty-seventh session). The backward's hold one access per lane
-    // (d ≤ 256 at 16 bits): a thread holds x, dy, γ, dγ, dβ and the next row, and two accesses
-    // took 200 registers, one block per SM, slower at d = 512 than the block tile.
+    // fifty-seventh session). The backward's hold one access per lane (d ≤ 256 at 16 bits): a
+    // thread holds x, dy, γ, dγ, dβ and the next row, and two accesses took 200 registers, one
+    // block per SM, slower at d = 512 than the block tile.
     FORWARD: ForwardParams = forward, shared forward_shared_bytes, large forward_large_shared,
         registers forward_register_budget, segments [(2, 8), (2, 16)],
         single segments [(4, 32)] {
