@@ -59,6 +59,19 @@ fn untouched_workspace(v: &[f32]) -> bool {
     normkern_tests::same_bits(v, &normkern_tests::poisoned_workspace(v.len()))
 }
 
+/// Panics unless a rejected call left its outputs NaN and its workspace, if any, as poisoned.
+fn assert_wrote_nothing<B: Backend>(
+    backend: &B,
+    outputs: &[&B::Buf<f32>],
+    workspace: Option<&B::Buf<f32>>,
+) {
+    assert!(
+        outputs.iter().all(|o| all_nan(&backend.download(*o)))
+            && workspace.is_none_or(|w| untouched_workspace(&backend.download(w))),
+        "a rejected call wrote output"
+    );
+}
+
 /// RMSNorm's eps, weight offset, and every length and shape, forward and backward.
 fn rms_norm_bad_arguments_are_rejected<B: Backend>(backend: &B) {
     let exec = backend.exec();
@@ -104,10 +117,7 @@ fn rms_norm_bad_arguments_are_rejected<B: Backend>(backend: &B) {
         matches!(r, Err(Error::Length { what: "rstd", .. })),
         "{r:?}"
     );
-    assert!(
-        all_nan(&backend.download(&y)) && all_nan(&backend.download(&rstd)),
-        "a rejected call wrote output"
-    );
+    assert_wrote_nothing(backend, &[&y, &rstd], None);
 
     let rstd = backend.upload(&vec![0.5f32; rows]);
     let workspace_len = rms_norm::workspace_len(rows, d).unwrap();
@@ -157,12 +167,7 @@ fn rms_norm_bad_arguments_are_rejected<B: Backend>(backend: &B) {
     );
     let r = backward(rows, [0, 0, 0, 1]);
     assert!(matches!(r, Err(Error::WorkspaceTooSmall { .. })), "{r:?}");
-    assert!(
-        all_nan(&backend.download(&dx))
-            && all_nan(&backend.download(&dweight))
-            && untouched_workspace(&backend.download(&workspace)),
-        "a rejected call wrote output"
-    );
+    assert_wrote_nothing(backend, &[&dx, &dweight], Some(&workspace));
 }
 
 #[test]
@@ -209,12 +214,7 @@ fn layer_norm_bad_arguments_are_rejected<B: Backend>(backend: &B) {
     );
     let r = forward(None, 0, -1.0);
     assert!(matches!(r, Err(Error::Eps(_))), "{r:?}");
-    assert!(
-        all_nan(&backend.download(&y))
-            && all_nan(&backend.download(&mean))
-            && all_nan(&backend.download(&rstd)),
-        "a rejected forward wrote output"
-    );
+    assert_wrote_nothing(backend, &[&y, &mean, &rstd], None);
 
     let stats = backend.upload(&vec![0.5f32; rows]);
     let workspace_len = layer_norm::workspace_len(rows, d).unwrap();
@@ -250,13 +250,7 @@ fn layer_norm_bad_arguments_are_rejected<B: Backend>(backend: &B) {
     );
     let r = backward(None, 0, 1);
     assert!(matches!(r, Err(Error::WorkspaceTooSmall { .. })), "{r:?}");
-    assert!(
-        all_nan(&backend.download(&dx))
-            && all_nan(&backend.download(&dweight))
-            && all_nan(&backend.download(&dbias))
-            && untouched_workspace(&backend.download(&workspace)),
-        "a rejected backward wrote output"
-    );
+    assert_wrote_nothing(backend, &[&dx, &dweight, &dbias], Some(&workspace));
 }
 
 #[test]
@@ -305,12 +299,7 @@ fn rms_norm_rejects_what_only_layer_norm_takes<B: Backend>(backend: &B) {
         matches!(r, Err(Error::Argument { what: "mean", .. })),
         "{r:?}"
     );
-    assert!(
-        all_nan(&backend.download(&y))
-            && all_nan(&backend.download(&mean))
-            && all_nan(&backend.download(&rstd)),
-        "a rejected forward wrote output"
-    );
+    assert_wrote_nothing(backend, &[&y, &mean, &rstd], None);
 
     let workspace_len = layer_norm::workspace_len(rows, d).unwrap();
     let mut dx = backend.upload(&vec![f32::NAN; rows * d]);
@@ -344,13 +333,7 @@ fn rms_norm_rejects_what_only_layer_norm_takes<B: Backend>(backend: &B) {
         matches!(r, Err(Error::Argument { what: "mean", .. })),
         "{r:?}"
     );
-    assert!(
-        all_nan(&backend.download(&dx))
-            && all_nan(&backend.download(&dweight))
-            && all_nan(&backend.download(&dbias))
-            && untouched_workspace(&backend.download(&workspace)),
-        "a rejected backward wrote output"
-    );
+    assert_wrote_nothing(backend, &[&dx, &dweight, &dbias], Some(&workspace));
 }
 
 #[test]
@@ -404,13 +387,7 @@ fn layer_norm_backward_takes_both_statistics_or_neither<B: Backend>(backend: &B)
             "mean given: {mean_given}: {r:?}"
         );
     }
-    assert!(
-        all_nan(&backend.download(&dx))
-            && all_nan(&backend.download(&dweight))
-            && all_nan(&backend.download(&dbias))
-            && untouched_workspace(&backend.download(&workspace)),
-        "a rejected backward wrote output"
-    );
+    assert_wrote_nothing(backend, &[&dx, &dweight, &dbias], Some(&workspace));
 }
 
 #[test]
