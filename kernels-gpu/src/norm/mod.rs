@@ -30,7 +30,7 @@
 //!
 //! Rows of up to 256 16-bit elements are taken by segment teams ([`segments`], the `LANES`
 //! instances): 8 to 32 lanes per row, several rows per warp, shuffles instead of block barriers.
-//! Otherwise one block works on one row at a time. Register tiles (`VPT` = 1, 2, 4 accesses per thread)
+//! Otherwise a block takes one row at a time. Register tiles (`VPT` = 1, 2, 4 accesses per thread)
 //! load the whole row once and keep it on chip: 16-byte packs give every thread `VPT·16` bytes in
 //! flight per operand. Rows too wide for one block's registers are split over a cluster of blocks
 //! (sm_90; the `CLUSTER` instances, [`crate::reduce::Team`]): each block holds its share of the
