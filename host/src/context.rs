@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute_enum::{
     CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
+    CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
 };
 use cudarc::driver::sys::{self, CUdevice_attribute};
 use cudarc::driver::{
@@ -18,7 +19,7 @@ use normkern_gpu::kernel::Entry;
 use crate::error::{Error, Result};
 use crate::executor::private::Sealed;
 use crate::executor::{Device, Executor, Launch};
-use crate::plan::{Memo, TileMemo};
+use crate::plan::{Memo, PORTABLE_CLUSTER, TileMemo};
 use crate::tensor::Dtype;
 
 /// The kernels for one target architecture, built by `cargo xtask build-ptx`: the PTX and the
@@ -75,6 +76,8 @@ pub struct Context {
     kernels: HashMap<usize, Loaded, foldhash::fast::FixedState>,
     ptx_arch: u32,
     kernel_image: KernelImage,
+    /// The most blocks a cluster may have (`Device::max_cluster`).
+    max_cluster: usize,
     sm_count: usize,
     /// Dynamic shared memory one block may opt into (bytes).
     shared_opt_in: usize,
@@ -214,12 +217,20 @@ impl Context {
         let shared_opt_in =
             attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
         let mut kernels = HashMap::default();
+        let mut non_portable_clusters = true;
         for entry in normkern_gpu::kernels().filter(|e| e.min_arch <= ptx_arch) {
             let function = module
                 .load_function(entry.name)
                 .map_err(Error::driver("cuModuleGetFunction"))?;
             // Kernels whose shared memory grows with the block (the staged ring) may use what
             // the device offers; the plans keep their blocks within it.
+            // Clusters of more than the portable 8 blocks (sm_90's GPCs take 16), where a plan
+            // asks for them and the occupancy query finds them resident.
+            if ptx_arch >= 90 && entry.min_arch >= 90 {
+                non_portable_clusters &= function
+                    .set_attribute(CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+                    .is_ok();
+            }
             if entry.large_shared {
                 function
                     .set_attribute(
@@ -243,6 +254,11 @@ impl Context {
             kernels,
             ptx_arch,
             kernel_image,
+            max_cluster: match (ptx_arch >= 90, non_portable_clusters) {
+                (false, _) => 1,
+                (true, false) => PORTABLE_CLUSTER,
+                (true, true) => normkern_gpu::arch::MAX_CLUSTER,
+            },
             sm_count: sm_count.max(0) as usize,
             shared_opt_in: shared_opt_in.max(0) as usize,
             grid_limit: None,
@@ -252,7 +268,7 @@ impl Context {
     }
 
     /// Caps every persistent grid at `blocks` blocks (default: at most as many as the device keeps
-    /// resident); a grid of clusters keeps at least one whole cluster (up to 8 blocks). Results
+    /// resident); a grid of clusters keeps at least one whole cluster (up to 16 blocks). Results
     /// do not depend on it; tests use it to prove that.
     pub fn with_grid_limit(mut self, blocks: usize) -> Result<Self> {
         if blocks == 0 {
@@ -309,8 +325,7 @@ impl Device for Context {
     }
 
     fn max_cluster(&self) -> usize {
-        // The portable limit of sm_90; its PTX has the cluster instances.
-        if self.ptx_arch >= 90 { 8 } else { 1 }
+        self.max_cluster
     }
 
     fn overlaps_launches(&self) -> bool {

@@ -67,7 +67,7 @@ impl Emulator {
     }
 
     /// Lets rows be split over clusters of up to `blocks` blocks (1: no clusters, like a GPU
-    /// before sm_90; at most 8). The default is 2.
+    /// before sm_90; at most 16, as sm_90's non-portable clusters). The default is 2.
     pub fn with_clusters(mut self, blocks: usize) -> Result<Self> {
         if !(1..=emu::MAX_CLUSTER).contains(&blocks) {
             return Err(Error::Emulator(format!(

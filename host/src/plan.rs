@@ -4,7 +4,7 @@
 //! [`Device`]; these are its pieces.
 
 // Launch arithmetic on validated sizes (rows, d < 2³², at most 8192 groups) and launch shapes
-// (blocks of 32 to 1024 threads, clusters of 1 to 8): nothing here overflows or divides by 0.
+// (blocks of 32 to 1024 threads, clusters of 1 to 16): nothing here overflows or divides by 0.
 #![allow(clippy::arithmetic_side_effects)]
 
 use normkern_gpu::activation::kernels::dbias_group_layout;
@@ -56,6 +56,10 @@ fn balanced_teams(work: usize, most: usize) -> usize {
     work.div_ceil(rounds).max(1)
 }
 
+/// The most blocks of a cluster every sm_90 device runs; past it (up to
+/// `normkern_gpu::arch::MAX_CLUSTER`) only where the occupancy query finds such a cluster resident.
+pub(crate) const PORTABLE_CLUSTER: usize = 8;
+
 /// Threads a block prefers when the row fits in registers: enough warps per block to keep several
 /// blocks resident per SM and the per-row reduction short.
 pub(crate) const PREFERRED_THREADS: usize = 256;
@@ -89,13 +93,14 @@ pub struct RowTile {
 
 /// Picks the tile for a row of `d` elements read `len` at a time among the compiled register
 /// tiles `register_tiles` (ascending) and the streaming one. `max_threads(vpt, cluster)` is the
-/// most threads a block of that kernel may have, or `None` when no such kernel is compiled. In
+/// most threads a block of that kernel in clusters of `cluster` blocks may have, or `None` when no
+/// such kernel is compiled (or a cluster that size is never resident). In
 /// order: one block of up to `sizes.preferred` threads; one block of up to the kernel's limit,
 /// the tiles for which `wide_first(vpt)` holds first; the smallest cluster of `cluster_sizes`
 /// (ascending, up to `max_cluster` blocks) whose blocks need at most `sizes.preferred` (fewest
 /// accesses per thread first), then at most the kernel's limit; else streaming, in blocks of at
-/// most `sizes.stream`, by a cluster of `max_cluster` blocks. The choice depends on the shape,
-/// the device and the kernels' register counts only, never on the grid, so reductions keep their
+/// most `sizes.stream`, by a cluster of `max_cluster` blocks (at most [`PORTABLE_CLUSTER`]). The
+/// choice depends on the shape, the device and the kernels' register counts only, never on the grid, so reductions keep their
 /// order.
 pub(crate) fn row_tile(
     d: usize,
@@ -103,7 +108,7 @@ pub(crate) fn row_tile(
     register_tiles: &[usize],
     (cluster_sizes, max_cluster): (&[usize], usize),
     sizes: BlockSizes,
-    max_threads: impl Fn(usize, bool) -> Result<Option<usize>>,
+    max_threads: impl Fn(usize, usize) -> Result<Option<usize>>,
     wide_first: impl Fn(usize) -> bool,
 ) -> Result<RowTile> {
     let accesses = d.div_ceil(len);
@@ -132,7 +137,7 @@ pub(crate) fn row_tile(
         })
     });
     for (vpt, cluster, preferred) in one_block.chain(clustered) {
-        let Some(max) = max_threads(vpt, cluster > 1)? else {
+        let Some(max) = max_threads(vpt, cluster)? else {
             continue;
         };
         let threads = threads_for(vpt, cluster);
@@ -152,8 +157,8 @@ pub(crate) fn row_tile(
         }
     }
     // Streaming: over the widest cluster there is, else one block.
-    for cluster in [max_cluster.clamp(1, 8), 1] {
-        if let Some(max) = max_threads(STREAM, cluster > 1)? {
+    for cluster in [max_cluster.clamp(1, PORTABLE_CLUSTER), 1] {
+        if let Some(max) = max_threads(STREAM, cluster)? {
             let threads = threads_for(1, cluster).min(max.min(sizes.stream) / 32 * 32);
             return Ok(RowTile {
                 vpt: STREAM,
@@ -732,10 +737,13 @@ pub(crate) mod tests {
     };
 
     /// An H200 as the plans see it: 132 SMs, 64K registers and 2048 threads per SM, clusters of
-    /// 8 in 15 GPCs; each kernel's registers per thread from `registers(entry name)`.
+    /// 8 in 15 GPCs and (where `max_cluster` allows) of 16 in 7; each kernel's registers per
+    /// thread from `registers(entry name)`.
     pub(crate) struct FakeH200 {
         pub registers: fn(&str) -> usize,
         pub grid_limit: Option<usize>,
+        /// 16, or 8 as a device (or driver) without non-portable clusters.
+        pub max_cluster: usize,
         /// Whether launches may overlap (an sm_90 build); false plans as an sm_80 build would.
         pub overlaps: bool,
     }
@@ -754,7 +762,7 @@ pub(crate) mod tests {
             132
         }
         fn max_cluster(&self) -> usize {
-            8
+            self.max_cluster
         }
         fn overlaps_launches(&self) -> bool {
             self.overlaps
@@ -779,7 +787,12 @@ pub(crate) mod tests {
             s: usize,
         ) -> Result<usize> {
             let per_sm = self.per_sm(k, block, s);
-            Ok(if cluster == 8 {
+            // Clusters of 8 and 16 take the SMs of a GPC (up to 18, some fewer).
+            Ok(if cluster > self.max_cluster {
+                0
+            } else if cluster == 16 {
+                7 * per_sm
+            } else if cluster == 8 {
                 15 * per_sm
             } else {
                 132 * per_sm / cluster
@@ -802,7 +815,8 @@ pub(crate) mod tests {
         regs: fn(usize, bool) -> usize,
         wide_first: fn(usize) -> bool,
     ) -> RowTile {
-        let max_threads = |vpt, cluster| Ok(Some((65536 / regs(vpt, cluster)).min(1024) / 32 * 32));
+        let max_threads =
+            |vpt, cluster: usize| Ok(Some((65536 / regs(vpt, cluster > 1)).min(1024) / 32 * 32));
         row_tile(
             d,
             len,
@@ -896,7 +910,7 @@ pub(crate) mod tests {
     #[test]
     fn tiles_that_are_not_compiled_are_skipped() {
         // No cluster instances (as for single-element access): the row streams in one block.
-        let max_threads = |_vpt, cluster: bool| Ok((!cluster).then_some(1024));
+        let max_threads = |_vpt, cluster: usize| Ok((cluster == 1).then_some(1024));
         let t = row_tile(
             65536,
             8,

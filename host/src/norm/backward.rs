@@ -323,12 +323,15 @@ pub(crate) fn run_across<E: Executor, T: Dtype, H: Dtype, W: Dtype, G: Dtype>(
 /// 2-access tile over 8 blocks read 75 (and the 4-access over 8, 67); rows that take clusters of 2
 /// or 8 measured best there (`bench-results/h200.md`, twenty-fourth session). LayerNorm's 2-access
 /// cluster tile measured lower (48 against 53), and the calls that add a dresidual need the widest
-/// tile (`plain_adds_dresidual`): both keep every size.
+/// tile (`plain_adds_dresidual`): both keep every size. LayerNorm's plain backward may also
+/// split a row over 16 blocks (where the device keeps such a cluster resident): its f32 2-access
+/// tile takes 80 registers, too many for the 1024-thread blocks that a row of 65536 needs over 8,
+/// which streamed it instead (read twice, 49.8 % of copy on an H100, fifty-seventh session).
 fn backward_cluster_sizes(norm: Norm, adds_residual: bool) -> &'static [usize] {
-    if norm == Norm::Rms && !adds_residual {
-        &[2, 8]
-    } else {
-        CLUSTER_SIZES
+    match (norm, adds_residual) {
+        (Norm::Rms, false) => &[2, 8],
+        (Norm::Layer, false) => &[2, 4, 8, 16],
+        (_, true) => CLUSTER_SIZES,
     }
 }
 
@@ -541,6 +544,7 @@ pub(crate) mod tests {
     pub(crate) const H200: FakeH200 = FakeH200 {
         registers,
         grid_limit: None,
+        max_cluster: 16,
         overlaps: true,
     };
 
@@ -785,24 +789,56 @@ pub(crate) mod tests {
 
     #[test]
     fn f32_rows_of_65536_stay_in_registers_where_the_ring_fits() {
-        // (norm, kernel, block): RMSNorm's f32 2-access cluster tile fits 1024 threads by its
-        // registers and, with a ring of three 64 KiB stages, by its shared memory; LayerNorm's does
-        // not fit 1024 threads (80 registers) and streams the row over the cluster.
-        for (norm, kernel, block) in [
-            (Norm::Rms, "rms_norm_bwd_f32_v2c", 1024),
-            (Norm::Layer, "layer_norm_bwd_f32_vxc", 800),
+        // (norm, device's largest cluster, kernel, block, cluster): RMSNorm's f32 2-access cluster
+        // tile fits 1024 threads by its registers and, with a ring of three 64 KiB stages, by its
+        // shared memory. LayerNorm's does not fit 1024 threads (80 registers): it takes a cluster
+        // of 16 where the device has them, else streams the row over 8.
+        for (norm, max_cluster, kernel, block, cluster) in [
+            (Norm::Rms, 16, "rms_norm_bwd_f32_v2c", 1024, 8),
+            (Norm::Layer, 16, "layer_norm_bwd_f32_v4c", 256, 16),
+            (Norm::Layer, 8, "layer_norm_bwd_f32_vxc", 800, 8),
         ] {
             let mut c = call(norm, 1024, 65536);
             c.key = NormKey::call(norm, false, KernelDtype::F32);
             c.grad_dtype = KernelDtype::F32;
-            let rows = plan(&c, &H200).unwrap().rows.unwrap();
+            let device = FakeH200 {
+                max_cluster,
+                ..H200
+            };
+            let rows = plan(&c, &device).unwrap().rows.unwrap();
             assert_eq!(
                 (rows.kernel.name, rows.block, rows.cluster),
-                (kernel, block, 8),
+                (kernel, block, cluster),
                 "{norm:?}"
             );
             assert!(rows.shared_bytes <= H200.shared_opt_in(), "{norm:?}");
             assert_eq!(rows.shared_bytes, (rows.kernel.shared_bytes)(rows.block));
+        }
+    }
+
+    /// The emulated device the GPU-free tests split LayerNorm rows over 16 blocks on
+    /// (`tests/tests/norm/kernels.rs`, `emulator_rows_split_over_clusters_match_reference`): f32
+    /// rows of 8192 in blocks of 32 threads, with 16 blocks resident; with fewer there is no
+    /// cluster of 16 to run, and the row streams over 8.
+    #[test]
+    fn the_emulator_takes_clusters_of_16_only_where_resident() {
+        for (resident, kernel, cluster) in [
+            (16, "layer_norm_bwd_f32_v4c", 16),
+            (15, "layer_norm_bwd_f32_vxc", 8),
+        ] {
+            let emulator = crate::Emulator::new()
+                .with_block_limit(32)
+                .and_then(|e| e.with_clusters(16))
+                .and_then(|e| e.with_resident_blocks(resident))
+                .unwrap();
+            let mut c = call(Norm::Layer, 5, 8192);
+            c.key = NormKey::call(Norm::Layer, false, KernelDtype::F32);
+            c.grad_dtype = KernelDtype::F32;
+            let rows = plan(&c, &emulator).unwrap().rows.unwrap();
+            assert_eq!(
+                (rows.kernel.name, rows.block, rows.cluster),
+                (kernel, 32, cluster)
+            );
         }
     }
 

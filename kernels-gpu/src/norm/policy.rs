@@ -362,7 +362,8 @@ pub const fn block_stages_rows(threads: usize) -> bool {
 /// over a cluster of 8, whose stage is 64 KiB — four of those do not fit an SM's 227 KiB, and
 /// without the ring that row streamed from L2, read twice. (Should a ptxas take more registers,
 /// the launch plan, which reads the kernel's limits, streams the row as before.) LayerNorm's
-/// takes 80 registers, too many for 1024 threads: a deeper ring would not help it. A rule per
+/// takes 80 registers, too many for 1024 threads: a deeper ring would not help it, and the plan
+/// splits its rows of 65536 over clusters of 16 instead. A rule per
 /// instance, not "the deepest ring that fits": the depth is a constant of the instance, which
 /// serves every block size, and the 16-bit 2-access tiles (blocks of 512 at most) keep four.
 pub const fn staged_stages(centered: bool, bytes: usize, vpt: usize, cluster: bool) -> usize {
