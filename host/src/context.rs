@@ -222,8 +222,6 @@ impl Context {
             let function = module
                 .load_function(entry.name)
                 .map_err(Error::driver("cuModuleGetFunction"))?;
-            // Kernels whose shared memory grows with the block (the staged ring) may use what
-            // the device offers; the plans keep their blocks within it.
             // Clusters of more than the portable 8 blocks (sm_90's GPCs take 16), where a plan
             // asks for them and the occupancy query finds them resident.
             if ptx_arch >= 90 && entry.min_arch >= 90 {
@@ -231,6 +229,8 @@ impl Context {
                     .set_attribute(CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
                     .is_ok();
             }
+            // Kernels whose shared memory grows with the block (the staged ring) may use what
+            // the device offers; the plans keep their blocks within it.
             if entry.large_shared {
                 function
                     .set_attribute(

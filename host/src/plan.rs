@@ -94,14 +94,14 @@ pub struct RowTile {
 /// Picks the tile for a row of `d` elements read `len` at a time among the compiled register
 /// tiles `register_tiles` (ascending) and the streaming one. `max_threads(vpt, cluster)` is the
 /// most threads a block of that kernel in clusters of `cluster` blocks may have, or `None` when no
-/// such kernel is compiled (or a cluster that size is never resident). In
-/// order: one block of up to `sizes.preferred` threads; one block of up to the kernel's limit,
-/// the tiles for which `wide_first(vpt)` holds first; the smallest cluster of `cluster_sizes`
-/// (ascending, up to `max_cluster` blocks) whose blocks need at most `sizes.preferred` (fewest
-/// accesses per thread first), then at most the kernel's limit; else streaming, in blocks of at
-/// most `sizes.stream`, by a cluster of `max_cluster` blocks (at most [`PORTABLE_CLUSTER`]). The
-/// choice depends on the shape, the device and the kernels' register counts only, never on the grid, so reductions keep their
-/// order.
+/// such kernel is compiled (or a cluster that size is never resident). In order: one block of up
+/// to `sizes.preferred` threads; one block of up to the kernel's limit, the tiles for which
+/// `wide_first(vpt)` holds first; the smallest cluster of `cluster_sizes` (ascending, up to
+/// `max_cluster` blocks) whose blocks need at most `sizes.preferred` (fewest accesses per thread
+/// first), then at most the kernel's limit; else streaming, in blocks of at most `sizes.stream`,
+/// by a cluster of `max_cluster` blocks (at most [`PORTABLE_CLUSTER`]). The choice depends on the
+/// shape, the device and the kernels' register counts only, never on the grid, so reductions keep
+/// their order.
 pub(crate) fn row_tile(
     d: usize,
     len: usize,
