@@ -2271,6 +2271,8 @@ fn config_call(
         2,
         8,
         9,
+        16,
+        17,
         31,
         32,
         33,
@@ -2291,7 +2293,7 @@ fn config_call(
         1 => (
             format!("with_clusters({n})"),
             catch_unwind(|| Emulator::new().with_clusters(n).map(drop)),
-            (1..=8).contains(&n),
+            (1..=16).contains(&n),
         ),
         _ => (
             format!("with_grid_limit({n})"),
