@@ -187,6 +187,26 @@ pub(crate) fn max_block_threads<K, P>(
     Ok(device.max_threads(kernel.entry())?.min(shared))
 }
 
+/// [`max_block_threads`] for blocks in clusters of `cluster` (1: none), or `None` where that
+/// cluster is past [`PORTABLE_CLUSTER`] and the device never keeps one resident (asked at the most
+/// threads: fewer only need less).
+pub(crate) fn max_cluster_block_threads<K, P>(
+    device: &dyn Device,
+    kernel: &'static Kernel<K, P>,
+    cluster: usize,
+) -> Result<Option<usize>> {
+    let threads = max_block_threads(device, kernel)?;
+    let resident = cluster <= PORTABLE_CLUSTER
+        || threads > 0
+            && device.resident_clusters(
+                kernel.entry(),
+                threads,
+                cluster,
+                (kernel.shared_bytes)(threads),
+            )? > 0;
+    Ok(resident.then_some(threads))
+}
+
 /// Dynamic shared memory every kernel may use without opting in.
 pub(crate) const DEFAULT_SHARED_BYTES: usize = 48 * 1024;
 

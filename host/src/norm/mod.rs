@@ -51,7 +51,8 @@ use normkern_gpu::norm::{
 use crate::error::{Error, Result};
 use crate::executor::{Device, Launch};
 use crate::plan::{
-    BlockSizes, PORTABLE_CLUSTER, RowTile, full_grid, max_block_threads, persistent_grid, row_tile,
+    BlockSizes, RowTile, full_grid, max_block_threads, max_cluster_block_threads, persistent_grid,
+    row_tile,
 };
 use crate::tensor::Dtype;
 
@@ -226,22 +227,9 @@ impl<P: Copy> RowLaunch<P> {
                 &register_tiles[..tiles],
                 (self.cluster_sizes, max_cluster),
                 self.block_sizes,
-                |vpt, cluster| {
-                    let Some(k) = kernel(vpt, cluster > 1, 0) else {
-                        return Ok(None);
-                    };
-                    let threads = limit(k)?;
-                    // A cluster past the portable size only where the device keeps one resident
-                    // (at the most threads: fewer only need less).
-                    let resident = cluster <= PORTABLE_CLUSTER
-                        || threads > 0
-                            && device.resident_clusters(
-                                k.entry(),
-                                threads,
-                                cluster,
-                                (k.shared_bytes)(threads),
-                            )? > 0;
-                    Ok(resident.then_some(threads))
+                |vpt, cluster| match kernel(vpt, cluster > 1, 0) {
+                    Some(k) => max_cluster_block_threads(device, k, cluster),
+                    None => Ok(None),
                 },
                 wide_first,
             )
