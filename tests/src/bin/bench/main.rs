@@ -2,19 +2,22 @@
 //!
 //! `cargo xtask bench [--reps N] [--warmup N] [--quick] [--shapes RxD,...] [--untracked]
 //! [--param-grads] [--strategy auto|two-pass|single-launch] [--sweep [--dtypes bf16,f32,f16]]
-//! [--activations] [--csv PATH]`, or `./bench` in a bundle (`--param-grads`: only the
-//! small-batch latency and parameter-gradient strategy tables; `--activations`: only the
-//! activations, at the `--shapes` given if any; `--sweep`: the norms over d = 128 … 65536 at
-//! 64 Mi elements (or the `--shapes` given), bf16, both plain norms also in f32 and f16
-//! (`--dtypes`: only those), 50 reps unless `--reps` says otherwise; `--csv PATH`: the table as CSV too, for `cargo xtask plot-sweep`, by default
-//! `sweep.csv` with `--sweep`). Times are medians of CUDA event timings after warm-up (`--warmup`
-//! calls, and at least 200 ms of them), each call enqueued behind a spin kernel so that its
-//! events time its device work alone (`NORMKERN_BENCH_IDLE=1`: on an idle stream, as before
-//! 2026-12-02; the `--param-grads` latency table always times lone calls on an idle stream,
-//! launch included); inputs rotate over enough sets to exceed L2; bytes count the minimal
-//! traffic (each input read once, each output written once). "host µs per call" is the median
-//! CPU time of the call itself (validation, launch plan, enqueueing), over calls issued back to
-//! back and over calls each issued on an idle stream, as the launch floors' empty launches are.
+//! [--activations] [--grid-limit BLOCKS] [--csv PATH]`, or `./bench` in a bundle
+//! (`--param-grads`: only the small-batch latency and parameter-gradient strategy tables;
+//! `--activations`: only the activations, at the `--shapes` given if any; `--sweep`: the norms
+//! over d = 128 … 65536 at 64 Mi elements (or the `--shapes` given), bf16, both plain norms also
+//! in f32 and f16 (`--dtypes`: only those), 50 reps unless `--reps` says otherwise; `--csv PATH`:
+//! the table as CSV too, for `cargo xtask plot-sweep`, by default `sweep.csv` with `--sweep`;
+//! `--grid-limit`: every persistent grid capped at that many blocks, as
+//! `Context::with_grid_limit` does, to see what fewer blocks in flight do to a shape). Times are
+//! medians of CUDA event timings after warm-up (`--warmup` calls, and at least 200 ms of them),
+//! each call enqueued behind a spin kernel so that its events time its device work alone
+//! (`NORMKERN_BENCH_IDLE=1`: on an idle stream, as before 2026-12-02; the `--param-grads` latency
+//! table always times lone calls on an idle stream, launch included); inputs rotate over enough
+//! sets to exceed L2; bytes count the minimal traffic (each input read once, each output written
+//! once). "host µs per call" is the median CPU time of the call itself (validation, launch plan,
+//! enqueueing), over calls issued back to back and over calls each issued on an idle stream, as
+//! the launch floors' empty launches are.
 
 mod activation;
 mod norm;
@@ -120,12 +123,34 @@ fn main() {
         eprintln!("bench: --dtypes takes bf16, f32 and f16, not {unknown:?}");
         std::process::exit(2);
     }
+    let grid_limit = args.iter().position(|a| a == "--grid-limit").map(|i| {
+        args.get(i + 1)
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&blocks| blocks > 0)
+    });
+    if grid_limit == Some(None) {
+        eprintln!("bench: --grid-limit takes a number of blocks above 0");
+        std::process::exit(2);
+    }
     let ctx = match Context::new(0) {
         Ok(ctx) => ctx,
         Err(e) => {
             println!("bench: no GPU ({e}); nothing to measure");
             return;
         }
+    };
+    let ctx = match grid_limit.flatten() {
+        None => ctx,
+        Some(blocks) => match ctx.with_grid_limit(blocks) {
+            Ok(ctx) => {
+                println!("persistent grids capped at {blocks} blocks (--grid-limit)");
+                ctx
+            }
+            Err(e) => {
+                eprintln!("bench: --grid-limit {blocks}: {e}");
+                std::process::exit(2);
+            }
+        },
     };
     // `--untracked`: cudarc's event tracking off (as for CUDA graphs), so "host µs per call" is
     // normkern's own cost without cudarc's per-buffer event waits and records.
