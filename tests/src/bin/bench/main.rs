@@ -123,15 +123,13 @@ fn main() {
         eprintln!("bench: --dtypes takes bf16, f32 and f16, not {unknown:?}");
         std::process::exit(2);
     }
+    // `--grid-limit` must name a number; whether the number is allowed, the context says.
     let grid_limit = args.iter().position(|a| a == "--grid-limit").map(|i| {
-        args.get(i + 1)
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|&blocks| blocks > 0)
+        (args.get(i + 1).and_then(|v| v.parse::<usize>().ok())).unwrap_or_else(|| {
+            eprintln!("bench: --grid-limit takes a number of blocks");
+            std::process::exit(2);
+        })
     });
-    if grid_limit == Some(None) {
-        eprintln!("bench: --grid-limit takes a number of blocks above 0");
-        std::process::exit(2);
-    }
     let ctx = match Context::new(0) {
         Ok(ctx) => ctx,
         Err(e) => {
@@ -139,18 +137,16 @@ fn main() {
             return;
         }
     };
-    let ctx = match grid_limit.flatten() {
+    let ctx = match grid_limit {
         None => ctx,
-        Some(blocks) => match ctx.with_grid_limit(blocks) {
-            Ok(ctx) => {
-                println!("persistent grids capped at {blocks} blocks (--grid-limit)");
-                ctx
-            }
-            Err(e) => {
+        Some(blocks) => {
+            let ctx = ctx.with_grid_limit(blocks).unwrap_or_else(|e| {
                 eprintln!("bench: --grid-limit {blocks}: {e}");
                 std::process::exit(2);
-            }
-        },
+            });
+            println!("persistent grids capped at {blocks} blocks (--grid-limit)");
+            ctx
+        }
     };
     // `--untracked`: cudarc's event tracking off (as for CUDA graphs), so "host µs per call" is
     // normkern's own cost without cudarc's per-buffer event waits and records.
