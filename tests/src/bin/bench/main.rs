@@ -124,12 +124,11 @@ fn main() {
         std::process::exit(2);
     }
     // `--grid-limit` must name a number; whether the number is allowed, the context says.
-    let grid_limit = args.iter().position(|a| a == "--grid-limit").map(|i| {
-        (args.get(i + 1).and_then(|v| v.parse::<usize>().ok())).unwrap_or_else(|| {
-            eprintln!("bench: --grid-limit takes a number of blocks");
-            std::process::exit(2);
-        })
-    });
+    let grid_limit: Option<usize> = value(&args, "--grid-limit");
+    if grid_limit.is_none() && args.iter().any(|a| a == "--grid-limit") {
+        eprintln!("bench: --grid-limit takes a number of blocks");
+        std::process::exit(2);
+    }
     let ctx = match Context::new(0) {
         Ok(ctx) => ctx,
         Err(e) => {
